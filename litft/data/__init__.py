@@ -1,0 +1,8 @@
+"""The ``--data`` choices. Each is a dataclass whose fields are its flags."""
+
+from litft.data.base import DataModule, PreparedData
+from litft.data.sft import JSON
+from litft.data.text import TextFiles
+from litft.data.tiny import TinyTasks
+
+__all__ = ["DataModule", "PreparedData", "JSON", "TextFiles", "TinyTasks"]

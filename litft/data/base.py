@@ -1,0 +1,234 @@
+"""What every dataset becomes: lists of token tensors, an order per rank, padded micro-batches."""
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from litft.errors import LitftError
+
+IGNORE_INDEX = -100
+
+# A sample is {"input_ids": LongTensor[T], "labels": LongTensor[T], "id": int}; packed rows
+# also carry "position_ids" that restart at 0 for every sample inside them.
+Sample = Dict[str, torch.Tensor]
+
+
+def litft_home() -> Path:
+    """Where litft keeps its caches (tokenized data, the built tiny model)."""
+    return Path(os.environ.get("LITFT_HOME", Path.home() / ".cache" / "litft"))
+
+
+@dataclass
+class Prompted:
+    """One instruction example kept as text, for scoring a model by generation."""
+
+    prompt_ids: List[int]
+    reference: str
+
+
+@dataclass
+class PreparedData:
+    train: List[Sample]
+    val: List[Sample]
+    scoring: List[Prompted]
+
+
+class DataModule:
+    """Base of every ``--data`` choice: subclasses are dataclasses whose fields are the flags.
+
+    ``prepare`` tokenizes on rank 0 first (others then read its cache), so a big
+    corpus is tokenized once per machine and not once per process.
+    """
+
+    max_seq_length: Optional[int] = None
+    packing: bool = False
+
+    def tokenize(self, tokenizer, seed: int) -> PreparedData:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def source_files(self) -> List[Path]:
+        """Files whose contents the tokenized cache depends on."""
+        return []
+
+    def config_dict(self) -> dict:
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+
+    def cache_key(self, tokenizer, seed: int) -> str:
+        digest = hashlib.sha256()
+        digest.update(type(self).__name__.encode())
+        digest.update(json.dumps(self.config_dict(), sort_keys=True).encode())
+        digest.update(str(seed).encode())
+        digest.update(tokenizer_fingerprint(tokenizer).encode())
+        for path in self.source_files():
+            stat = path.stat()
+            digest.update(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        return digest.hexdigest()[:20]
+
+    def load_or_tokenize(self, tokenizer, seed: int) -> PreparedData:
+        """Tokenize once and keep the result in ``$LITFT_HOME/datasets``; later runs read it."""
+        cache = litft_home() / "datasets" / f"{type(self).__name__.lower()}-{self.cache_key(tokenizer, seed)}.pt"
+        if cache.is_file():
+            stored = torch.load(cache, weights_only=True)
+            return PreparedData(
+                train=stored["train"],
+                val=stored["val"],
+                scoring=[Prompted(p, r) for p, r in zip(stored["scoring_ids"], stored["scoring_refs"])],
+            )
+        prepared = self.tokenize(tokenizer, seed)
+        if not prepared.train:
+            raise LitftError(f"the training data of --data {type(self).__name__} holds no usable sample; check the file's contents")
+        if self.packing:
+            prepared.train = pack(prepared.train, self.effective_max_length(tokenizer))
+            prepared.val = pack(prepared.val, self.effective_max_length(tokenizer))
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        torch.save(
+            {
+                "train": prepared.train,
+                "val": prepared.val,
+                "scoring_ids": [p.prompt_ids for p in prepared.scoring],
+                "scoring_refs": [p.reference for p in prepared.scoring],
+            },
+            tmp,
+        )
+        os.replace(tmp, cache)
+        return prepared
+
+    def effective_max_length(self, tokenizer) -> int:
+        if self.max_seq_length is not None:
+            return self.max_seq_length
+        limit = getattr(tokenizer, "model_max_length", None)
+        # Tokenizers without a limit report a huge sentinel value.
+        return int(limit) if limit and limit < 1_000_000 else 2048
+
+
+def _plain(value):
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash that changes when the tokenizer would split or template text differently."""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update(backend.to_str().encode() if backend is not None else str(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    digest.update(str((tokenizer.bos_token_id, tokenizer.eos_token_id)).encode())
+    return digest.hexdigest()[:16]
+
+
+def split_train_val(items: list, val_fraction: float, seed: int) -> Tuple[list, list]:
+    """A seeded random split, so every rank and every resume sees the same validation set."""
+    if not 0 <= val_fraction < 1:
+        raise LitftError(f"--data.val_split_fraction must be in [0, 1), got {val_fraction}")
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = int(round(len(items) * val_fraction))
+    if val_fraction > 0 and n_val == 0 and len(items) > 1:
+        n_val = 1
+    val_idx = set(order[:n_val])
+    return [x for i, x in enumerate(items) if i not in val_idx], [x for i, x in enumerate(items) if i in val_idx]
+
+
+def pack(samples: List[Sample], max_length: int) -> List[Sample]:
+    """Put whole samples side by side in rows of at most ``max_length`` tokens.
+
+    Position ids restart at every sample; transformers turns such restarts into a
+    block-diagonal causal mask, so packed samples do not attend to one another.
+    Greedy first-fit in the given order keeps packing deterministic.
+    """
+    rows: List[List[Sample]] = []
+    lengths: List[int] = []
+    for sample in samples:
+        n = len(sample["input_ids"])
+        for i, used in enumerate(lengths):
+            if used + n <= max_length:
+                rows[i].append(sample)
+                lengths[i] += n
+                break
+        else:
+            rows.append([sample])
+            lengths.append(n)
+    packed = []
+    for row_id, row in enumerate(rows):
+        packed.append(
+            {
+                "input_ids": torch.cat([s["input_ids"] for s in row]),
+                "labels": torch.cat([s["labels"] for s in row]),
+                "position_ids": torch.cat([torch.arange(len(s["input_ids"])) for s in row]),
+                "id": torch.tensor(row_id),
+            }
+        )
+    return packed
+
+
+def collate(samples: List[Sample], pad_id: int) -> Dict[str, torch.Tensor]:
+    """Right-pad a micro-batch; padding is its own position-id segment and carries no loss.
+
+    Every batch carries position ids and no attention mask: with right padding the
+    real tokens never see the pad tokens, and packed rows need position ids anyway.
+    """
+    width = max(len(s["input_ids"]) for s in samples)
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((len(samples), width), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        input_ids[row, :n] = sample["input_ids"]
+        labels[row, :n] = sample["labels"]
+        position_ids[row, :n] = sample.get("position_ids", torch.arange(n))
+        position_ids[row, n:] = torch.arange(width - n)
+    ids = torch.stack([torch.as_tensor(s["id"]) for s in samples])
+    num_tokens = torch.tensor(sum(len(s["input_ids"]) for s in samples))
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "ids": ids, "num_tokens": num_tokens}
+
+
+class SampleOrder:
+    """Which samples each rank takes at each step; a pure function of (seed, epoch, step).
+
+    Global batch ``k`` of an epoch is ``perm[k*G:(k+1)*G]``; rank ``r`` takes every
+    ``world_size``-th sample of it starting at ``r``. So the same global batch is
+    trained whatever the world size, and resuming at step k needs no replay.
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, micro_batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool = True):
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.steps_per_epoch = num_samples // global_batch_size
+        self._perm_epoch: Optional[int] = None
+        self._perm: List[int] = []
+
+    def permutation(self, epoch: int) -> List[int]:
+        if self._perm_epoch != epoch:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed + epoch)
+                self._perm = torch.randperm(self.num_samples, generator=gen).tolist()
+            else:
+                self._perm = list(range(self.num_samples))
+            self._perm_epoch = epoch
+        return self._perm
+
+    def micro_batches(self, epoch: int, step: int) -> List[List[int]]:
+        perm = self.permutation(epoch)
+        start = step * self.global_batch_size
+        mine = perm[start + self.rank : start + self.global_batch_size : self.world_size]
+        return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+
+
+def eval_batches(num_samples: int, micro_batch_size: int, rank: int, world_size: int) -> Iterator[List[int]]:
+    """Validation samples for this rank, in order, every sample exactly once across ranks."""
+    mine = list(range(rank, num_samples, world_size))
+    for i in range(0, len(mine), micro_batch_size):
+        yield mine[i : i + micro_batch_size]

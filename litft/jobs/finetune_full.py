@@ -1,0 +1,54 @@
+"""Full finetuning: every weight of a pretrained model is trained."""
+
+from pathlib import Path
+from typing import Optional
+
+from litft.args import EvalArgs, TrainArgs
+from litft.data.base import DataModule
+from litft.jobs.run import Run, RunResult, config_of, execute
+from litft.strategy import Accelerator, Precision, Strategy
+from litft.tiny import TINY_NAME
+
+
+def finetune_full(
+    model: str = TINY_NAME,
+    data: Optional[DataModule] = None,
+    out_dir: Path = Path("out/finetune_full"),
+    precision: Optional[Precision] = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+    strategy: Strategy = "auto",
+    accelerator: Accelerator = "auto",
+    train: TrainArgs = TrainArgs(global_batch_size=32, micro_batch_size=8, learning_rate=3e-3, warmup_steps=20),
+    eval: EvalArgs = EvalArgs(interval=200, score_samples=0),
+    seed: int = 42,
+    overwrite: bool = False,
+) -> RunResult:
+    """Train all weights of a causal LM on instruction data; the result lands in out_dir/final.
+
+    Args:
+        model: Hugging Face hub id or local model folder (litft-tiny is built locally).
+        data: Training data (default: TinyTasks, generated here).
+        out_dir: Folder for logs, the run's config and the final model.
+        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs that have it, else 32-true).
+        devices: Processes (GPUs) per node.
+        num_nodes: Nodes taking part.
+        strategy: auto (one device, or DDP for several) or ddp.
+        accelerator: auto, cpu or cuda.
+        train: Batch, schedule and run length.
+        eval: Validation cadence and scoring.
+        seed: Seeds the weights of new layers, the data order and dropout.
+        overwrite: Allow an out_dir that already holds files (its final model and logs are replaced).
+    """
+    from litft.data.tiny import TinyTasks
+
+    data = data if data is not None else TinyTasks()
+    return execute(
+        Run(
+            job="finetune_full", model=model, data=data, out_dir=out_dir, precision=precision, devices=devices,
+            num_nodes=num_nodes, strategy=strategy, accelerator=accelerator, seed=seed, overwrite=overwrite,
+            train=train, eval=eval,
+            cli_config=config_of(model=model, data=data, out_dir=out_dir, precision=precision, devices=devices,
+                                 num_nodes=num_nodes, strategy=strategy, accelerator=accelerator, train=train, eval=eval, seed=seed),
+        )
+    )

@@ -1,0 +1,69 @@
+"""Pretraining: a model from a config (random weights) or from a checkpoint, on plain text."""
+
+from pathlib import Path
+from typing import Optional
+
+from litft.args import EvalArgs, TrainArgs
+from litft.data.base import DataModule
+from litft.jobs.run import Run, RunResult, config_of, execute
+from litft.strategy import Accelerator, Precision, Strategy
+from litft.tiny import TINY_NAME
+
+
+def pretrain(
+    model: str = TINY_NAME,
+    init: str = "random",
+    tokenizer: Optional[str] = None,
+    data: Optional[DataModule] = None,
+    out_dir: Path = Path("out/pretrain"),
+    precision: Optional[Precision] = None,
+    devices: int = 1,
+    num_nodes: int = 1,
+    strategy: Strategy = "auto",
+    accelerator: Accelerator = "auto",
+    train: TrainArgs = TrainArgs(global_batch_size=32, micro_batch_size=8, learning_rate=3e-3, warmup_steps=20, max_norm=1.0),
+    eval: EvalArgs = EvalArgs(interval=200),
+    seed: int = 42,
+    overwrite: bool = False,
+) -> RunResult:
+    """Pretrain a causal LM on text, from random weights or from a checkpoint's weights.
+
+    Args:
+        model: Hub id, model folder, or config.json file giving the architecture (and the weights with init=pretrained).
+        init: random (a fresh model of that config) or pretrained (continue from its weights).
+        tokenizer: Where the tokenizer comes from (default: the model argument).
+        data: Training text (default: TinyTasks rendered as plain text, generated here).
+        out_dir: Folder for logs, the run's config and the final model.
+        precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs that have it, else 32-true).
+        devices: Processes (GPUs) per node.
+        num_nodes: Nodes taking part.
+        strategy: auto (one device, or DDP for several) or ddp.
+        accelerator: auto, cpu or cuda.
+        train: Batch, schedule and run length.
+        eval: Validation cadence.
+        seed: Seeds the initial weights, the data order and dropout.
+        overwrite: Allow an out_dir that already holds files (its final model and logs are replaced).
+    """
+    from litft.data.tiny import TinyTasks
+    from litft.errors import LitftError
+
+    if init not in ("random", "pretrained"):
+        raise LitftError(f"--init {init} is unknown; choose random or pretrained")
+    if data is None:
+        data = TinyTasks(mask_prompt=False, packing=True)
+    model_source = model
+    if model.endswith(".json") and Path(model).is_file():
+        # A bare config file: transformers reads the architecture from its folder.
+        if init == "pretrained":
+            raise LitftError("--init pretrained needs a model folder or hub id with weights, not a config.json file")
+        model_source = str(Path(model).parent)
+    return execute(
+        Run(
+            job="pretrain", model=model_source, data=data, out_dir=out_dir, precision=precision, devices=devices,
+            num_nodes=num_nodes, strategy=strategy, accelerator=accelerator, seed=seed, overwrite=overwrite,
+            train=train, eval=eval, random_init=init == "random", tokenizer=tokenizer,
+            cli_config=config_of(model=model, init=init, tokenizer=tokenizer, data=data, out_dir=out_dir, precision=precision,
+                                 devices=devices, num_nodes=num_nodes, strategy=strategy, accelerator=accelerator,
+                                 train=train, eval=eval, seed=seed),
+        )
+    )

@@ -1,0 +1,204 @@
+"""What the three jobs share: check flags, build Fabric, load, hand everything to ``fit``, export."""
+
+import os
+import shutil
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Union
+
+import torch
+import yaml
+
+from litft.args import EvalArgs, TrainArgs
+from litft.data.base import DataModule
+from litft.errors import LitftError
+
+
+@dataclass
+class LoraSpec:
+    r: int
+    alpha: int
+    dropout: float
+    target_modules: Union[str, List[str]]
+
+
+@dataclass
+class Run:
+    """Everything one job asked for, after its signature's defaults were filled in."""
+
+    job: str
+    model: str
+    data: DataModule
+    out_dir: Path
+    precision: Optional[str]
+    devices: int
+    num_nodes: int
+    strategy: str
+    accelerator: str
+    seed: int
+    overwrite: bool
+    train: TrainArgs
+    eval: EvalArgs
+    random_init: bool = False
+    tokenizer: Optional[str] = None
+    lora: Optional[LoraSpec] = None
+    quantize: Optional[str] = None
+    cli_config: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    """What a finished job leaves: the trained module's HF model and the loop's record."""
+
+    model: torch.nn.Module
+    history: list
+    out_dir: Path
+    final_dir: Path
+
+
+def check_flags(run: Run) -> None:
+    """Reject impossible combinations before any process starts or any file is touched."""
+    train, world = run.train, run.devices * run.num_nodes
+    if run.devices < 1 or run.num_nodes < 1:
+        raise LitftError("--devices and --num_nodes must be at least 1")
+    if train.micro_batch_size < 1 or train.global_batch_size < 1:
+        raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
+    if train.global_batch_size % (train.micro_batch_size * world):
+        raise LitftError(
+            f"--train.global_batch_size {train.global_batch_size} is not divisible by micro_batch_size x world size "
+            f"({train.micro_batch_size} x {world} = {train.micro_batch_size * world}); change one of them"
+        )
+    if train.max_steps is None and train.epochs is None and train.max_tokens is None:
+        raise LitftError("set at least one of --train.max_steps, --train.epochs, --train.max_tokens")
+    if train.log_interval < 1:
+        raise LitftError("--train.log_interval must be at least 1")
+    if run.quantize is not None and run.lora is None:
+        raise LitftError("--quantize trains 4-bit weights only through LoRA adapters; use finetune_lora")
+    if run.quantize is not None and world > 1:
+        raise LitftError("--quantize runs on one process for now; use --devices 1 --num_nodes 1")
+    if run.eval.score_samples and not hasattr(run.data, "prompted"):
+        raise LitftError("--eval.score_samples needs instruction data (prompts with answers); set it to 0 for plain text")
+
+
+def check_out_dir(run: Run) -> None:
+    out = run.out_dir
+    if out.exists() and any(out.iterdir()):
+        if not run.overwrite:
+            raise LitftError(f"--out_dir {out} already holds files (another run?); choose another --out_dir or pass --overwrite true")
+        for name in ("final", "final-adapter", "logs"):
+            shutil.rmtree(out / name, ignore_errors=True)
+
+
+def rank_zero_first(fabric, fn: Callable):
+    """Run ``fn`` on rank 0, then on the others (which find rank 0's caches).
+
+    A LitftError on rank 0 is sent to every rank, so all of them exit with the same
+    line instead of the others waiting forever at the next collective.
+    """
+    result, message = None, None
+    if fabric.global_rank == 0:
+        try:
+            result = fn()
+        except LitftError as err:
+            message = str(err)
+    if fabric.world_size > 1:
+        message = fabric.broadcast(message, src=0)
+    if message is not None:
+        raise LitftError(message)
+    if fabric.global_rank != 0:
+        result = fn()
+    return result
+
+
+def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
+    """The single path every job takes, from flags to an exported model."""
+    from litft.loop import fit, plan_steps
+    from litft.model import CausalLM, load_causal_lm, load_tokenizer, resolve_model
+    from litft.strategy import build_fabric, compute_dtype, param_dtype, resolve_accelerator, resolve_precision
+
+    quiet_libraries()
+    check_flags(run)
+    accelerator = resolve_accelerator(run.accelerator)
+    precision = resolve_precision(run.precision, accelerator)
+    fabric = build_fabric(
+        accelerator=accelerator,
+        devices=run.devices,
+        num_nodes=run.num_nodes,
+        strategy=run.strategy,
+        precision=precision,
+        out_dir=run.out_dir,
+    )
+    fabric.launch()
+
+    def prepare():
+        check_out_dir(run) if fabric.global_rank == 0 else None
+        source = resolve_model(run.model)
+        tokenizer = load_tokenizer(run.tokenizer or source)
+        return source, tokenizer, run.data.load_or_tokenize(tokenizer, run.seed)
+
+    source, tokenizer, data = rank_zero_first(fabric, prepare)
+    if fabric.global_rank == 0:
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        (run.out_dir / "run_config.yaml").write_text(yaml.safe_dump(run.cli_config, sort_keys=False))
+
+    fabric.seed_everything(run.seed)
+    from litft.lora import quantization_config
+
+    model = load_causal_lm(
+        source,
+        random_init=run.random_init,
+        dtype=param_dtype(precision),
+        quantization_config=quantization_config(run.quantize, compute_dtype(precision)),
+    )
+    if run.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if transform is not None:
+        model = transform(model)
+
+    mean_tokens = sum(len(s["input_ids"]) for s in data.train) / len(data.train)
+    if len(data.train) < run.train.global_batch_size:
+        raise LitftError(
+            f"the training data has {len(data.train)} samples, fewer than one global batch ({run.train.global_batch_size}); add data or lower --train.global_batch_size"
+        )
+    lm = CausalLM(model, run.train, total_steps=plan_steps(run.train, len(data.train), mean_tokens))
+    optimizers = lm.configure_optimizers()
+    module = fabric.setup_module(lm, move_to_device=run.quantize is None)
+    optimizer = fabric.setup_optimizers(optimizers["optimizer"])
+    fabric.print(
+        f"{run.job}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trained; "
+        f"{len(data.train)} train / {len(data.val)} val samples; world size {fabric.world_size}; precision {precision}"
+    )
+    state = fit(fabric, module, optimizer, optimizers["lr_scheduler"], data, run.train, run.eval, run.seed, tokenizer)
+
+    from litft.export import export_final
+
+    final_dir = export_final(fabric, lm.model, tokenizer, run.out_dir, base_source=source if run.lora else None, dtype=param_dtype(precision))
+    fabric.barrier()
+    return RunResult(model=lm.model, history=state.history, out_dir=run.out_dir, final_dir=final_dir)
+
+
+def quiet_libraries() -> None:
+    """Silence progress bars and advice that libraries print on every rank."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def config_of(**values) -> dict:
+    """The job's arguments as YAML-ready data that ``--config`` reads back."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, DataModule):
+            out[key] = {"class_path": f"{type(value).__module__}.{type(value).__name__}", "init_args": value.config_dict()}
+        elif is_dataclass(value):
+            out[key] = asdict(value)
+        elif isinstance(value, Path):
+            out[key] = str(value)
+        elif isinstance(value, tuple):
+            out[key] = list(value)
+        else:
+            out[key] = value
+    return out

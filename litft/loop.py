@@ -1,0 +1,229 @@
+"""THE training loop: every job hands ``fit`` a module, an optimizer and prepared data."""
+
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+from litft.args import EvalArgs, TrainArgs
+from litft.data.base import PreparedData, Prompted, SampleOrder, collate, eval_batches
+from litft.model import target_tokens
+
+
+@dataclass
+class LoopState:
+    """Where the run is; everything needed to continue it lives here."""
+
+    step: int = 0
+    epoch: int = 0
+    epoch_step: int = 0
+    tokens: int = 0
+    samples: int = 0
+    history: List[Dict[str, float]] = field(default_factory=list)
+
+
+def plan_steps(train: TrainArgs, num_samples: int, mean_tokens: float) -> int:
+    """Optimizer steps the run will take: the first of max_steps, epochs and max_tokens to end it."""
+    steps_per_epoch = num_samples // train.global_batch_size
+    limits = []
+    if train.max_steps is not None:
+        limits.append(train.max_steps)
+    if train.epochs is not None:
+        limits.append(train.epochs * steps_per_epoch)
+    if train.max_tokens is not None:
+        # Only an estimate for variable-length samples; the loop stops on the real count.
+        limits.append(math.ceil(train.max_tokens / (train.global_batch_size * mean_tokens)))
+    return max(1, min(limits)) if limits else steps_per_epoch
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the process's peak resident memory on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+class Progress:
+    """Rank 0's view of the run: a live bar on a terminal, one line per log step otherwise."""
+
+    def __init__(self, enabled: bool, total: int, start: int):
+        self.enabled = enabled
+        self.total = total
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, metrics: Dict[str, float], eta_s: float) -> None:
+        if not self.enabled:
+            return
+        text = f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:,.0f} tok/s"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(step - self.bar.n)
+        else:
+            eta = time.strftime("%H:%M:%S", time.gmtime(eta_s))
+            print(f"step {step}/{self.total} | {text} | lr {metrics['lr']:.2e} | eta {eta}", file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainArgs, eval: EvalArgs, seed: int, tokenizer, state: Optional[LoopState] = None) -> LoopState:
+    """Train until the planned step count or the token budget is reached.
+
+    Each step takes the rank's micro-batches of one global batch, counts the target
+    tokens of the whole global batch (one all-reduce), and scales every micro-batch's
+    summed loss by ``world_size / global_tokens``: after DDP averages the gradients,
+    the step optimizes the exact token mean of the global batch, as one process would.
+    """
+    state = state or LoopState()
+    order = SampleOrder(
+        len(data.train), train.global_batch_size, train.micro_batch_size, fabric.global_rank, fabric.world_size, seed
+    )
+    total_steps = plan_steps(train, len(data.train), sum(len(s["input_ids"]) for s in data.train) / len(data.train))
+    pad_id = tokenizer.pad_token_id
+    progress = Progress(fabric.is_global_zero, total_steps, state.step)
+
+    if eval.initial_validation and state.step == 0:
+        _validate_and_log(fabric, module, data, train, eval, tokenizer, state, progress, scoring=True)
+
+    window_start, window_tokens, window_samples = time.perf_counter(), 0, 0
+    run_start = time.perf_counter()
+    start_step = state.step
+    module.train()
+    while state.step < total_steps and (train.max_tokens is None or state.tokens < train.max_tokens):
+        if state.epoch_step >= order.steps_per_epoch:
+            state.epoch, state.epoch_step = state.epoch + 1, 0
+        micro = [collate([data.train[i] for i in idx], pad_id) for idx in order.micro_batches(state.epoch, state.epoch_step)]
+        local_targets = torch.tensor(sum(target_tokens(b) for b in micro), dtype=torch.float64, device=fabric.device)
+        global_targets = fabric.all_reduce(local_targets, reduce_op="sum").item()
+        scale = fabric.world_size / max(global_targets, 1.0)
+
+        loss_sum = torch.zeros((), dtype=torch.float64, device=fabric.device)
+        for i, batch in enumerate(micro):
+            batch = fabric.to_device(batch)
+            with fabric.no_backward_sync(module, enabled=i < len(micro) - 1):
+                loss = module.training_step(batch)
+                fabric.backward(loss * scale)
+            loss_sum += loss.detach().double()
+        grad_norm = fabric.clip_gradients(module, optimizer, max_norm=train.max_norm) if train.max_norm else None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr = optimizer.param_groups[0]["lr"]
+        scheduler.step()
+
+        step_tokens = torch.tensor(
+            [sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro)], device=fabric.device
+        )
+        step_tokens = fabric.all_reduce(step_tokens, reduce_op="sum")
+        loss_total = fabric.all_reduce(loss_sum, reduce_op="sum").item()
+        state.step += 1
+        state.epoch_step += 1
+        state.tokens += int(step_tokens[0])
+        state.samples += int(step_tokens[1])
+        window_tokens += int(step_tokens[0])
+        window_samples += int(step_tokens[1])
+
+        metrics = {"loss": loss_total / max(global_targets, 1.0), "lr": lr, "epoch": state.epoch, "tokens": state.tokens}
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        if state.step % train.log_interval == 0 or state.step == total_steps:
+            elapsed = time.perf_counter() - window_start
+            metrics.update(
+                tokens_per_s=window_tokens / elapsed,
+                tokens_per_s_per_device=window_tokens / elapsed / fabric.world_size,
+                samples_per_s=window_samples / elapsed,
+                peak_memory_gb=peak_memory_gb(fabric.device),
+            )
+            fabric.log_dict(metrics, step=state.step)
+            per_step = (time.perf_counter() - run_start) / (state.step - start_step)
+            progress.update(state.step, metrics, per_step * (total_steps - state.step))
+            window_start, window_tokens, window_samples = time.perf_counter(), 0, 0
+        state.history.append(metrics)
+
+        if eval.interval and state.step % eval.interval == 0 and state.step < total_steps:
+            _validate_and_log(fabric, module, data, train, eval, tokenizer, state, progress, scoring=False)
+            module.train()
+
+    if eval.final_validation:
+        _validate_and_log(fabric, module, data, train, eval, tokenizer, state, progress, scoring=True)
+    progress.close()
+    return state
+
+
+def _validate_and_log(fabric, module, data, train, eval, tokenizer, state, progress, scoring: bool) -> None:
+    metrics = {}
+    if data.val:
+        metrics["val_loss"] = validate(fabric, module, data, train.micro_batch_size, eval.max_batches, tokenizer.pad_token_id)
+        metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50))
+    if scoring and eval.score_samples:
+        metrics["val_score"] = score(fabric, module, data.scoring[: eval.score_samples], tokenizer, eval.max_new_tokens)
+    if metrics:
+        fabric.log_dict(metrics, step=state.step)
+        progress.message(f"step {state.step}: " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        state.history.append({"step": state.step, **metrics})
+
+
+@torch.no_grad()
+def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batches: Optional[int], pad_id: int) -> float:
+    """Token-mean loss over the validation set, every sample counted once across ranks."""
+    module.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=fabric.device)
+    for n, idx in enumerate(eval_batches(len(data.val), micro_batch_size, fabric.global_rank, fabric.world_size)):
+        if max_batches is not None and n >= max_batches:
+            break
+        batch = fabric.to_device(collate([data.val[i] for i in idx], pad_id))
+        totals[0] += module.validation_step(batch).double()
+        totals[1] += target_tokens(batch)
+    totals = fabric.all_reduce(totals, reduce_op="sum")
+    module.train()
+    return float(totals[0] / totals[1].clamp(min=1))
+
+
+@torch.no_grad()
+def score(fabric, module, prompts: List[Prompted], tokenizer, max_new_tokens: int, batch_size: int = 64) -> float:
+    """Share of prompts whose greedy answer equals the reference exactly, over all ranks."""
+    model = module.module.model if hasattr(module, "module") else module.model
+    was_training = model.training
+    model.eval()
+    mine = prompts[fabric.global_rank :: fabric.world_size]
+    correct = 0
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i : i + batch_size]
+        width = max(len(p.prompt_ids) for p in chunk)
+        # Left padding, so that every answer starts at the same column.
+        input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, p in enumerate(chunk):
+            input_ids[row, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
+            attention[row, width - len(p.prompt_ids) :] = 1
+        with fabric.autocast():
+            out = model.generate(
+                input_ids=input_ids.to(fabric.device),
+                attention_mask=attention.to(fabric.device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        for p, row in zip(chunk, out[:, width:]):
+            correct += tokenizer.decode(row, skip_special_tokens=True).strip() == p.reference
+    totals = fabric.all_reduce(torch.tensor([correct, len(mine)], dtype=torch.float64, device=fabric.device), reduce_op="sum")
+    model.train(was_training)
+    return float(totals[0] / totals[1].clamp(min=1))

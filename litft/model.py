@@ -1,0 +1,147 @@
+"""The LightningModule around a Hugging Face causal LM, and how models and tokenizers are found."""
+
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from litft.args import TrainArgs
+from litft.data.base import IGNORE_INDEX
+from litft.errors import LitftError
+
+
+def resolve_model(name: str) -> str:
+    """A local directory for ``litft-tiny`` or a path; hub ids pass through unchanged.
+
+    A string that names a filesystem location (it exists, starts with ``.``, ``/``
+    or ``~``, or has more than one ``/``) must exist; anything else is a hub id.
+    """
+    from litft.tiny import TINY_NAME, ensure_tiny_model
+
+    if name == TINY_NAME:
+        return str(ensure_tiny_model())
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise LitftError(f"model directory {name} has no config.json; point the model argument at a Hugging Face model folder")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise LitftError(f"model path {name} does not exist; pass an existing folder or a Hugging Face hub id")
+    return name
+
+
+def _hub_error(name: str, err: Exception) -> LitftError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return LitftError(
+        f"could not load '{name}' ({first_line}); pass a local Hugging Face model folder, or check the hub id and network access"
+    )
+
+
+def load_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise _hub_error(source, err) from None
+    if tokenizer.pad_token_id is None:
+        # Padding never reaches the loss, so any existing token will do.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_config(source: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise _hub_error(source, err) from None
+
+
+def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quantization_config=None):
+    """Weights from ``source``, or a seeded random init of its config for pretraining."""
+    from transformers import AutoModelForCausalLM
+
+    if random_init:
+        config = load_config(source)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    kwargs = {"dtype": dtype}
+    if quantization_config is not None:
+        kwargs.update(quantization_config=quantization_config, device_map={"": _quantized_device()})
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _hub_error(source, err) from None
+
+
+def _quantized_device():
+    # bitsandbytes quantizes while loading, on the device the model will run on.
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Learning-rate multiplier: linear warmup to 1, then cosine down to ``min_ratio``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class CausalLM(L.LightningModule):
+    """A Hugging Face causal LM as litft trains it.
+
+    The step methods return the *sum* of token losses; the loop divides by the
+    number of target tokens in the whole global batch, so a step's gradient is
+    the same however the batch is split over ranks and micro-batches.
+    """
+
+    def __init__(self, model: torch.nn.Module, train: TrainArgs, total_steps: int = 1):
+        super().__init__()
+        self.model = model
+        self.train_args = train
+        self.total_steps = total_steps
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        logits = self(batch["input_ids"], batch.get("position_ids"))
+        targets = batch["labels"][:, 1:]
+        return F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+
+    def training_step(self, batch: dict) -> torch.Tensor:
+        return self.loss_sum(batch)
+
+    def validation_step(self, batch: dict) -> torch.Tensor:
+        return self.loss_sum(batch)
+
+    def configure_optimizers(self):
+        args = self.train_args
+        params = [p for p in self.parameters() if p.requires_grad]
+        if not params:
+            raise LitftError("the model has no trainable parameter; check --lora_target_modules")
+        optimizer = torch.optim.AdamW(
+            params, lr=args.learning_rate, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay
+        )
+        min_ratio = args.min_lr / args.learning_rate if args.learning_rate else 0.0
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, args.warmup_steps, self.total_steps, min_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+
+def target_tokens(batch: dict) -> int:
+    """Tokens that carry loss in a batch (labels are shifted by one inside the loss)."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())

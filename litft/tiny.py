@@ -1,0 +1,127 @@
+"""litft-tiny: a small Llama, its tokenizer and its task data, all generated here.
+
+The machines litft is tested on cannot reach the Hugging Face hub, so the
+default model is built locally: a byte-level BPE tokenizer trained on the task
+text, and a randomly initialised Llama of about 0.8M parameters. It is a real
+transformers model directory, so every code path (loading, LoRA, export) is the
+one a hub model takes.
+"""
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Dict, List
+
+TINY_NAME = "litft-tiny"
+TINY_VERSION = 1
+LETTERS = "abcdefghijklmnop"
+
+# name -> (instruction, how the answer follows from the letters or numbers)
+TASKS = ("reverse", "sort", "add", "count")
+INSTRUCTIONS = {
+    "reverse": "Reverse the letters.",
+    "sort": "Sort the letters.",
+    "add": "Add the numbers.",
+    "count": "Count the letters.",
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def task_record(rng: random.Random, task: str) -> Dict[str, str]:
+    """One instruction record of a task; answers are exact, so a model can be scored by exact match."""
+    if task == "add":
+        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        return {"instruction": INSTRUCTIONS[task], "input": f"{a} + {b}", "output": str(a + b)}
+    letters = [rng.choice(LETTERS) for _ in range(rng.randint(3, 6))]
+    answer = {
+        "reverse": " ".join(reversed(letters)),
+        "sort": " ".join(sorted(letters)),
+        "count": str(len(letters)),
+    }[task]
+    return {"instruction": INSTRUCTIONS[task], "input": " ".join(letters), "output": answer}
+
+
+def task_records(n: int, seed: int, tasks=TASKS) -> List[Dict[str, str]]:
+    rng = random.Random(seed)
+    return [task_record(rng, tasks[i % len(tasks)]) for i in range(n)]
+
+
+def tiny_dir() -> Path:
+    from litft.data.base import litft_home
+
+    return litft_home() / "models" / f"{TINY_NAME}-v{TINY_VERSION}"
+
+
+def ensure_tiny_model() -> Path:
+    """Build litft-tiny once per machine; concurrent builders race to one atomic rename."""
+    target = tiny_dir()
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.build{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    build_tiny_model(staging)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        # Another process finished first; its build is identical (everything is seeded).
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from litft.data.sft import alpaca_prompt
+
+    corpus = []
+    for record in task_records(4000, seed=1234):
+        corpus.append(alpaca_prompt(record["instruction"], record["input"]) + record["output"])
+    tokenizer = Tokenizer(models.BPE())
+    # One token per digit makes arithmetic learnable; byte-level keeps every text encodable.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<|pad|>", eos_token="<|end|>", model_max_length=256
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_tiny_model(path: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
