@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Union
@@ -116,6 +117,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     from litft.model import CausalLM, load_causal_lm, load_tokenizer, resolve_model
     from litft.strategy import build_fabric, compute_dtype, param_dtype, resolve_accelerator, resolve_precision
 
+    started = time.perf_counter()
     quiet_libraries()
     check_flags(run)
     accelerator = resolve_accelerator(run.accelerator)
@@ -175,6 +177,11 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
 
     final_dir = export_final(fabric, lm.model, tokenizer, run.out_dir, base_source=source if run.lora else None, dtype=param_dtype(precision))
     fabric.barrier()
+    scores = [h["val_score"] for h in state.history if "val_score" in h]
+    if len(scores) >= 2:
+        n = min(run.eval.score_samples, len(data.scoring))
+        fabric.print(f"task score (exact match on {n} held-out prompts): {scores[0]:.3f} before, {scores[-1]:.3f} after")
+    fabric.print(f"{run.job} finished {state.step} steps in {time.perf_counter() - started:.0f} s; model in {final_dir}")
     return RunResult(model=lm.model, history=state.history, out_dir=run.out_dir, final_dir=final_dir)
 
 
@@ -192,7 +199,11 @@ def config_of(**values) -> dict:
     out = {}
     for key, value in values.items():
         if isinstance(value, DataModule):
-            out[key] = {"class_path": f"{type(value).__module__}.{type(value).__name__}", "init_args": value.config_dict()}
+            import litft.data
+
+            name = type(value).__name__
+            module = "litft.data" if getattr(litft.data, name, None) is type(value) else type(value).__module__
+            out[key] = {"class_path": f"{module}.{name}", "init_args": value.config_dict()}
         elif is_dataclass(value):
             out[key] = asdict(value)
         elif isinstance(value, Path):

@@ -1,0 +1,91 @@
+from pathlib import Path
+
+import pytest
+from jsonargparse import capture_parser
+
+from litft.__main__ import configure_jsonargparse, main, parser_jobs
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8", "--train.max_steps", "1"]
+
+
+def cli_parser():
+    from jsonargparse import CLI
+
+    configure_jsonargparse()
+    import litft.data  # noqa: F401
+
+    return capture_parser(lambda: CLI(parser_jobs(), args=[]))
+
+
+def run_main(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    return exit_info.value.code, capsys.readouterr().err.strip()
+
+
+def test_help_shows_field_docs(capsys):
+    with pytest.raises(SystemExit):
+        main(["finetune_lora", "--help"])
+    text = capsys.readouterr().out
+    assert "Samples per optimizer step, summed over every rank" in text
+    assert "--lora_r" in text and "--train.micro_batch_size" in text and "--quantize" in text
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "config_hub").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_config_hub_yaml_parses(path):
+    job = "pretrain" if path.parent.name == "pretrain" else {"lora": "finetune_lora", "qlora": "finetune_lora", "full": "finetune_full"}[path.stem]
+    config = cli_parser().parse_args([job, "--config", str(path)])
+    assert config.subcommand == job
+    section = config[job]
+    assert section.model and section.train.global_batch_size % section.train.micro_batch_size == 0
+
+
+def test_model_is_positional_and_yaml_readable(tmp_path):
+    cfg = cli_parser().parse_args(["finetune_lora", "some-org/some-model", "--lora_r", "4", "--data", "JSON", "--data.json_path", "x.json"])
+    assert cfg.finetune_lora.model == "some-org/some-model"
+    assert cfg.finetune_lora.lora_r == 4
+    assert cfg.finetune_lora.data.class_path == "litft.data.JSON"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--train.global_batch_size", "6", "--train.micro_batch_size", "4"], "not divisible by micro_batch_size x world size"),
+        (["--model", "./no/such/model"], "model path ./no/such/model does not exist"),
+        (["--precision", "16-mixed", "--accelerator", "cpu"], "16-mixed needs a GPU"),
+        (["--data", "JSON", "--data.json_path", "missing.json"], "data file missing.json does not exist"),
+        (["--train.max_steps", "null", "--train.epochs", "null"], "set at least one of"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, capsys, args, message):
+    code, err = run_main(["finetune_full", *SMALL, "--out_dir", tmp_path / "o", *args], capsys)
+    assert code == 2
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_quantize_needs_lora_and_one_process(tmp_path, capsys):
+    code, err = run_main(["finetune_lora", *SMALL, "--out_dir", tmp_path, "--quantize", "bnb.nf4", "--devices", "2"], capsys)
+    assert code == 2 and "--quantize runs on one process" in err
+
+
+def test_empty_dataset_is_reported(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, err = run_main(["finetune_full", "--data", "JSON", "--data.json_path", empty, "--out_dir", tmp_path / "o"], capsys)
+    assert code == 2 and "holds no records" in err
+
+
+def test_out_dir_with_files_is_left_alone(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    keep = out / "notes.txt"
+    keep.write_text("precious")
+    code, err = run_main(["finetune_full", *SMALL, "--out_dir", out], capsys)
+    assert code == 2 and "already holds files" in err and "--overwrite true" in err
+    assert keep.read_text() == "precious" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_unreachable_hub_id_is_one_line(tmp_path, capsys):
+    code, err = run_main(["finetune_full", "litft-test/not-a-real-model", *SMALL, "--out_dir", tmp_path / "o"], capsys)
+    assert code == 2 and "could not load 'litft-test/not-a-real-model'" in err and len(err.splitlines()) == 1
