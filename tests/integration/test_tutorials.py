@@ -1,0 +1,28 @@
+"""The commands in tutorials/ are run as written, in order, in a scratch folder."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, step_losses
+
+TUTORIALS = sorted((ROOT / "tutorials").glob("*.md"))
+
+
+def bash_blocks(path: Path):
+    return re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("page", TUTORIALS, ids=lambda p: p.name)
+def test_tutorial_commands_run(tmp_path, page):
+    blocks = bash_blocks(page)
+    assert blocks, f"{page.name} has no bash block"
+    for block in blocks:
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{page.name} block failed:\n{block}\n{proc.stderr[-3000:]}"
+    if page.name == "finetune-on-your-data.md":
+        losses = step_losses(tmp_path / "out" / "backwards")
+        assert len(losses) == 30 and losses[-1] < losses[0]
+        assert (tmp_path / "out" / "backwards" / "final-adapter" / "adapter_model.safetensors").is_file()
