@@ -12,8 +12,8 @@ class TrainArgs:
     """Samples per optimizer step, summed over every rank and accumulation step."""
     micro_batch_size: int = 4
     """Samples in one forward/backward pass on one rank; accumulation makes up the rest."""
-    epochs: Optional[int] = 1
-    """Passes over the training data (the run stops at whichever limit comes first)."""
+    epochs: Optional[int] = None
+    """Passes over the training data; the run stops at the first limit set (one epoch when none is)."""
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps."""
     max_tokens: Optional[int] = None

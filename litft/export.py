@@ -25,16 +25,18 @@ def save_hf(model, tokenizer, target: Path) -> None:
     os.rename(staging, target)
 
 
-def export_final(fabric, model, tokenizer, out_dir: Path, base_source: Optional[str], dtype: torch.dtype) -> Path:
-    """``out_dir/final`` for every job; LoRA adds ``out_dir/final-adapter`` (peft) and merges into ``final``."""
+def export_final(model, tokenizer, out_dir: Path, base_source: Optional[str], dtype: torch.dtype) -> Path:
+    """``out_dir/final`` for every job; LoRA adds ``out_dir/final-adapter`` (peft) and merges into ``final``.
+
+    Called on rank 0 alone: under DDP every rank holds the whole model.
+    """
     from litft.lora import merge_adapter_into_base
 
     final = out_dir / "final"
-    if fabric.global_rank == 0:
-        if base_source is None:
-            save_hf(model, tokenizer, final)
-        else:
-            adapter = out_dir / "final-adapter"
-            save_hf(model, tokenizer, adapter)
-            save_hf(merge_adapter_into_base(base_source, str(adapter), dtype), tokenizer, final)
+    if base_source is None:
+        save_hf(model, tokenizer, final)
+    else:
+        adapter = out_dir / "final-adapter"
+        save_hf(model, tokenizer, adapter)
+        save_hf(merge_adapter_into_base(base_source, str(adapter), dtype), tokenizer, final)
     return final

@@ -37,7 +37,7 @@ def plan_steps(train: TrainArgs, num_samples: int, mean_tokens: float) -> int:
     if train.max_tokens is not None:
         # Only an estimate for variable-length samples; the loop stops on the real count.
         limits.append(math.ceil(train.max_tokens / (train.global_batch_size * mean_tokens)))
-    return max(1, min(limits)) if limits else steps_per_epoch
+    return max(1, min(limits)) if limits else max(1, steps_per_epoch)
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -118,7 +118,8 @@ def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainAr
         loss_sum = torch.zeros((), dtype=torch.float64, device=fabric.device)
         for i, batch in enumerate(micro):
             batch = fabric.to_device(batch)
-            with fabric.no_backward_sync(module, enabled=i < len(micro) - 1):
+            # Fabric only applies autocast inside a wrapped forward; one device has no wrapper.
+            with fabric.no_backward_sync(module, enabled=i < len(micro) - 1), fabric.autocast():
                 loss = module.training_step(batch)
                 fabric.backward(loss * scale)
             loss_sum += loss.detach().double()
@@ -188,12 +189,24 @@ def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batc
     for n, idx in enumerate(eval_batches(len(data.val), micro_batch_size, fabric.global_rank, fabric.world_size)):
         if max_batches is not None and n >= max_batches:
             break
-        batch = fabric.to_device(collate([data.val[i] for i in idx], pad_id))
-        totals[0] += module.validation_step(batch).double()
-        totals[1] += target_tokens(batch)
+        # Every rank makes the same number of forward passes (wrapped forwards may communicate);
+        # a rank out of samples runs sample 0 and does not count it.
+        batch = fabric.to_device(collate([data.val[i] for i in (idx or [0])], pad_id))
+        with fabric.autocast():
+            loss = module.validation_step(batch).double()
+        if idx:
+            totals[0] += loss
+            totals[1] += target_tokens(batch)
     totals = fabric.all_reduce(totals, reduce_op="sum")
     module.train()
     return float(totals[0] / totals[1].clamp(min=1))
+
+
+def stop_tokens(model, tokenizer) -> List[int]:
+    """The tokenizer's EOS and the model's own end-of-turn tokens (chat models often have several)."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    return sorted({t for t in [tokenizer.eos_token_id, *configured] if t is not None})
 
 
 @torch.no_grad()
@@ -220,7 +233,7 @@ def score(fabric, module, prompts: List[Prompted], tokenizer, max_new_tokens: in
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=stop_tokens(model, tokenizer),
             )
         for p, row in zip(chunk, out[:, width:]):
             correct += tokenizer.decode(row, skip_special_tokens=True).strip() == p.reference

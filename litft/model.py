@@ -1,7 +1,6 @@
 """The LightningModule around a Hugging Face causal LM, and how models and tokenizers are found."""
 
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -63,8 +62,12 @@ def load_config(source: str):
         raise _hub_error(source, err) from None
 
 
-def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quantization_config=None):
-    """Weights from ``source``, or a seeded random init of its config for pretraining."""
+def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quantization_config=None, device=None):
+    """Weights from ``source``, or a seeded random init of its config for pretraining.
+
+    bitsandbytes quantizes while loading, so a quantized model is loaded straight
+    onto ``device``, the one it will train on.
+    """
     from transformers import AutoModelForCausalLM
 
     if random_init:
@@ -72,18 +75,11 @@ def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quanti
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
     kwargs = {"dtype": dtype}
     if quantization_config is not None:
-        kwargs.update(quantization_config=quantization_config, device_map={"": _quantized_device()})
+        kwargs.update(quantization_config=quantization_config, device_map={"": device or torch.device("cpu")})
     try:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:
         raise _hub_error(source, err) from None
-
-
-def _quantized_device():
-    # bitsandbytes quantizes while loading, on the device the model will run on.
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

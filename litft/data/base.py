@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -12,6 +13,8 @@ import torch
 from litft.errors import LitftError
 
 IGNORE_INDEX = -100
+# Bump when tokenization, masking or packing changes, so old caches are not reused.
+CACHE_VERSION = 2
 
 # A sample is {"input_ids": LongTensor[T], "labels": LongTensor[T], "id": int}; packed rows
 # also carry "position_ids" that restart at 0 for every sample inside them.
@@ -62,7 +65,7 @@ class DataModule:
         digest = hashlib.sha256()
         digest.update(type(self).__name__.encode())
         digest.update(json.dumps(self.config_dict(), sort_keys=True).encode())
-        digest.update(str(seed).encode())
+        digest.update(f"{seed}:{self.effective_max_length(tokenizer)}:{CACHE_VERSION}".encode())
         digest.update(tokenizer_fingerprint(tokenizer).encode())
         for path in self.source_files():
             stat = path.stat()
@@ -104,7 +107,7 @@ class DataModule:
             return self.max_seq_length
         limit = getattr(tokenizer, "model_max_length", None)
         # Tokenizers without a limit report a huge sentinel value.
-        return int(limit) if limit and limit < 1_000_000 else 2048
+        return min(int(limit), 2048) if limit else 2048
 
 
 def _plain(value):
@@ -121,7 +124,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update(backend.to_str().encode() if backend is not None else str(sorted(tokenizer.get_vocab().items())).encode())
     digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
-    digest.update(str((tokenizer.bos_token_id, tokenizer.eos_token_id)).encode())
+    digest.update(str((tokenizer.bos_token_id, tokenizer.eos_token, getattr(tokenizer, "add_bos_token", None))).encode())
     return digest.hexdigest()[:16]
 
 
@@ -137,6 +140,9 @@ def split_train_val(items: list, val_fraction: float, seed: int) -> Tuple[list, 
     return [x for i, x in enumerate(items) if i not in val_idx], [x for i, x in enumerate(items) if i in val_idx]
 
 
+PACKING_WINDOW = 32
+
+
 def pack(samples: List[Sample], max_length: int) -> List[Sample]:
     """Put whole samples side by side in rows of at most ``max_length`` tokens.
 
@@ -146,22 +152,28 @@ def pack(samples: List[Sample], max_length: int) -> List[Sample]:
     """
     rows: List[List[Sample]] = []
     lengths: List[int] = []
+    open_rows: List[int] = []  # the last few rows that still have room; a bounded search keeps packing linear
     for sample in samples:
         n = len(sample["input_ids"])
-        for i, used in enumerate(lengths):
-            if used + n <= max_length:
+        for i in open_rows:
+            if lengths[i] + n <= max_length:
                 rows[i].append(sample)
                 lengths[i] += n
                 break
         else:
             rows.append([sample])
             lengths.append(n)
+            open_rows = (open_rows + [len(rows) - 1])[-PACKING_WINDOW:]
     packed = []
     for row_id, row in enumerate(rows):
+        labels = [s["labels"].clone() for s in row]
+        for later in labels[1:]:
+            # The first token of a sample is not predicted from the sample before it.
+            later[0] = IGNORE_INDEX
         packed.append(
             {
                 "input_ids": torch.cat([s["input_ids"] for s in row]),
-                "labels": torch.cat([s["labels"] for s in row]),
+                "labels": torch.cat(labels),
                 "position_ids": torch.cat([torch.arange(len(s["input_ids"])) for s in row]),
                 "id": torch.tensor(row_id),
             }
@@ -228,7 +240,12 @@ class SampleOrder:
 
 
 def eval_batches(num_samples: int, micro_batch_size: int, rank: int, world_size: int) -> Iterator[List[int]]:
-    """Validation samples for this rank, in order, every sample exactly once across ranks."""
+    """Validation samples for this rank, every sample exactly once across ranks.
+
+    Every rank gets the same number of batches; a rank whose share ran out gets
+    empty ones, so that collective calls inside forward stay matched.
+    """
     mine = list(range(rank, num_samples, world_size))
-    for i in range(0, len(mine), micro_batch_size):
+    per_rank = math.ceil(num_samples / world_size)
+    for i in range(0, per_rank, micro_batch_size):
         yield mine[i : i + micro_batch_size]

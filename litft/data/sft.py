@@ -50,7 +50,6 @@ class InstructionData(DataModule):
     prompt_style: PromptStyle = "alpaca"
     mask_prompt: bool = True
     val_split_fraction: float = 0.05
-    scoring_limit: int = 256
 
     def records(self, seed: int) -> Tuple[List[dict], List[dict], str]:  # pragma: no cover - abstract
         """Train records, validation records, and a name for error messages."""
@@ -61,7 +60,7 @@ class InstructionData(DataModule):
         max_len = self.effective_max_length(tokenizer)
         train = [self.encode(tokenizer, r, i, origin, max_len) for i, r in enumerate(train_records)]
         val = [self.encode(tokenizer, r, i, origin, max_len) for i, r in enumerate(val_records)]
-        scoring = [self.prompted(tokenizer, r, origin) for r in val_records[: self.scoring_limit]]
+        scoring = [self.prompted(tokenizer, r, origin) for r in val_records]
         # Samples that truncation left without any target token teach nothing.
         train = [s for s in train if (s["labels"] != IGNORE_INDEX).any()]
         val = [s for s in val if (s["labels"] != IGNORE_INDEX).any()]
@@ -71,21 +70,20 @@ class InstructionData(DataModule):
         """The record as text pieces, each marked True when it is trained on."""
         check_record(record, where)
         if "messages" in record:
-            return chat_segments(tokenizer, record["messages"], where)
+            return chat_segments(tokenizer, record["messages"], where, self.mask_prompt)
         instruction, input_text, output = record["instruction"], record.get("input") or "", record["output"]
         if self.prompt_style == "chat":
             user = f"{instruction}\n\n{input_text}" if input_text else instruction
-            return chat_segments(tokenizer, [{"role": "user", "content": user}, {"role": "assistant", "content": output}], where)
+            messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+            return chat_segments(tokenizer, messages, where, self.mask_prompt)
         prompt = alpaca_prompt(instruction, input_text) if self.prompt_style == "alpaca" else f"{instruction}\n{input_text}".rstrip("\n") + "\n"
         return [(prompt, False), (output + (tokenizer.eos_token or ""), True)]
 
     def encode(self, tokenizer, record: dict, index: int, origin: str, max_len: int) -> Sample:
-        ids: List[int] = []
-        labels: List[int] = []
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", False) else []
-        ids += bos
-        labels += [IGNORE_INDEX] * len(bos)
-        for text, trained in self.segments(tokenizer, record, f"record {index} of {origin}"):
+        segments = self.segments(tokenizer, record, f"record {index} of {origin}")
+        ids = self.bos(tokenizer, record)
+        labels = [IGNORE_INDEX] * len(ids)
+        for text, trained in segments:
             piece = tokenizer(text, add_special_tokens=False)["input_ids"]
             ids += piece
             labels += piece if (trained or not self.mask_prompt) else [IGNORE_INDEX] * len(piece)
@@ -98,14 +96,18 @@ class InstructionData(DataModule):
         if len(pieces) < 2 or not pieces[-1][1]:
             return None
         prompt = "".join(text for text, _ in pieces[:-1])
-        reference = pieces[-1][0]
-        for token in (tokenizer.eos_token, getattr(tokenizer, "pad_token", None)):
-            if token:
-                reference = reference.replace(token, "")
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if tokenizer.bos_token_id is not None and getattr(tokenizer, "add_bos_token", False):
-            ids = [tokenizer.bos_token_id] + ids
+        # Compare text as generation decodes it: without end-of-turn or other special tokens.
+        answer_ids = tokenizer(pieces[-1][0], add_special_tokens=False)["input_ids"]
+        reference = tokenizer.decode(answer_ids, skip_special_tokens=True)
+        ids = self.bos(tokenizer, record) + tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return Prompted(prompt_ids=ids, reference=reference.strip())
+
+    def bos(self, tokenizer, record: dict) -> List[int]:
+        """The BOS token where the tokenizer adds one; chat templates write their own."""
+        uses_template = "messages" in record or self.prompt_style == "chat"
+        if uses_template or tokenizer.bos_token_id is None or not getattr(tokenizer, "add_bos_token", False):
+            return []
+        return [tokenizer.bos_token_id]
 
 
 def check_record(record, where: str) -> None:
@@ -122,7 +124,7 @@ def check_record(record, where: str) -> None:
         )
 
 
-def chat_segments(tokenizer, messages, where: str) -> List[Tuple[str, bool]]:
+def chat_segments(tokenizer, messages, where: str, mask_prompt: bool = True) -> List[Tuple[str, bool]]:
     """Render ``messages`` with the tokenizer's chat template; assistant turns are the targets.
 
     Each assistant turn is located by rendering the conversation up to it with and
@@ -135,6 +137,8 @@ def chat_segments(tokenizer, messages, where: str) -> List[Tuple[str, bool]]:
         raise LitftError(f"{where} has a 'messages' field that is not a list of {{'role', 'content'}} objects")
     if not any(m["role"] == "assistant" for m in messages):
         raise LitftError(f"{where} has no assistant message to train on")
+    if not mask_prompt:
+        return [(tokenizer.apply_chat_template(messages, tokenize=False), True)]
     segments: List[Tuple[str, bool]] = []
     done = ""
     for turn, message in enumerate(messages):

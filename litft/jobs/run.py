@@ -69,8 +69,9 @@ def check_flags(run: Run) -> None:
             f"--train.global_batch_size {train.global_batch_size} is not divisible by micro_batch_size x world size "
             f"({train.micro_batch_size} x {world} = {train.micro_batch_size * world}); change one of them"
         )
-    if train.max_steps is None and train.epochs is None and train.max_tokens is None:
-        raise LitftError("set at least one of --train.max_steps, --train.epochs, --train.max_tokens")
+    for name in ("epochs", "max_steps", "max_tokens"):
+        if getattr(train, name) is not None and getattr(train, name) < 1:
+            raise LitftError(f"--train.{name} must be at least 1 (or null for no limit)")
     if train.log_interval < 1:
         raise LitftError("--train.log_interval must be at least 1")
     if run.quantize is not None and run.lora is None:
@@ -81,34 +82,80 @@ def check_flags(run: Run) -> None:
         raise LitftError("--eval.score_samples needs instruction data (prompts with answers); set it to 0 for plain text")
 
 
+RUN_MARKER = "run_config.yaml"
+
+
 def check_out_dir(run: Run) -> None:
+    """Refuse an out_dir with files in it, unless it is an earlier litft run and --overwrite was given."""
     out = run.out_dir
-    if out.exists() and any(out.iterdir()):
-        if not run.overwrite:
-            raise LitftError(f"--out_dir {out} already holds files (another run?); choose another --out_dir or pass --overwrite true")
-        for name in ("final", "final-adapter", "logs"):
-            shutil.rmtree(out / name, ignore_errors=True)
+    if out.exists() and not out.is_dir():
+        raise LitftError(f"--out_dir {out} is a file; choose a folder")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not (out / RUN_MARKER).is_file():
+        raise LitftError(f"--out_dir {out} holds files that litft did not write; choose another --out_dir")
+    if not run.overwrite:
+        raise LitftError(f"--out_dir {out} already holds a run; choose another --out_dir or pass --overwrite true")
+    # Only what a litft run writes is replaced; anything else the user put there stays.
+    for name in ("final", "final-adapter", "logs"):
+        shutil.rmtree(out / name, ignore_errors=True)
 
 
-def rank_zero_first(fabric, fn: Callable):
+def _describe(err: BaseException) -> str:
+    return str(err) if isinstance(err, LitftError) else f"{type(err).__name__}: {err}"
+
+
+def agree_on_failure(fabric, error: Optional[BaseException], stage: str) -> None:
+    """Every rank learns whether any rank failed at ``stage``, so none waits at a later collective.
+
+    The failing rank re-raises its own exception; the others stop with one line
+    naming the stage, instead of hanging until a timeout.
+    """
+    if fabric.world_size > 1:
+        failed = fabric.all_reduce(torch.tensor(float(error is not None), device=fabric.device), reduce_op="sum")
+        if error is None and failed.item() > 0:
+            raise LitftError(f"another rank failed while {stage}; its message says why")
+    if error is not None:
+        raise error
+
+
+def rank_zero_first(fabric, fn: Callable, stage: str):
     """Run ``fn`` on rank 0, then on the others (which find rank 0's caches).
 
-    A LitftError on rank 0 is sent to every rank, so all of them exit with the same
-    line instead of the others waiting forever at the next collective.
+    Rank 0's error message is sent to every rank, so all of them exit with the
+    same line instead of waiting for a rank that has stopped.
     """
-    result, message = None, None
+    result, error = None, None
     if fabric.global_rank == 0:
         try:
             result = fn()
-        except LitftError as err:
-            message = str(err)
+        except Exception as err:  # noqa: BLE001 - re-raised below on rank 0
+            error = err
+    message = _describe(error) if error is not None else None
     if fabric.world_size > 1:
         message = fabric.broadcast(message, src=0)
+    if error is not None:
+        agree_on_failure(fabric, error, stage)
     if message is not None:
         raise LitftError(message)
     if fabric.global_rank != 0:
-        result = fn()
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - reported to every rank below
+            error = err
+    agree_on_failure(fabric, error, stage)
     return result
+
+
+def on_rank_zero(fabric, fn: Callable, stage: str) -> None:
+    """Run ``fn`` on rank 0 alone; a failure there stops every rank instead of stranding them."""
+    error = None
+    if fabric.global_rank == 0:
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - re-raised by agree_on_failure
+            error = err
+    agree_on_failure(fabric, error, stage)
 
 
 def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
@@ -133,15 +180,19 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     fabric.launch()
 
     def prepare():
-        check_out_dir(run) if fabric.global_rank == 0 else None
+        if fabric.global_rank == 0:
+            check_out_dir(run)
         source = resolve_model(run.model)
-        tokenizer = load_tokenizer(run.tokenizer or source)
+        tokenizer = load_tokenizer(resolve_model(run.tokenizer) if run.tokenizer else source)
         return source, tokenizer, run.data.load_or_tokenize(tokenizer, run.seed)
 
-    source, tokenizer, data = rank_zero_first(fabric, prepare)
-    if fabric.global_rank == 0:
+    source, tokenizer, data = rank_zero_first(fabric, prepare, "loading the tokenizer and data")
+
+    def record_config():
         run.out_dir.mkdir(parents=True, exist_ok=True)
-        (run.out_dir / "run_config.yaml").write_text(yaml.safe_dump(run.cli_config, sort_keys=False))
+        (run.out_dir / RUN_MARKER).write_text(yaml.safe_dump(run.cli_config, sort_keys=False))
+
+    on_rank_zero(fabric, record_config, "writing the run's config")
 
     fabric.seed_everything(run.seed)
     from litft.lora import quantization_config
@@ -151,6 +202,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
         random_init=run.random_init,
         dtype=param_dtype(precision),
         quantization_config=quantization_config(run.quantize, compute_dtype(precision)),
+        device=fabric.device,
     )
     if run.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -175,8 +227,12 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
 
     from litft.export import export_final
 
-    final_dir = export_final(fabric, lm.model, tokenizer, run.out_dir, base_source=source if run.lora else None, dtype=param_dtype(precision))
-    fabric.barrier()
+    final_dir = run.out_dir / "final"
+    on_rank_zero(
+        fabric,
+        lambda: export_final(lm.model, tokenizer, run.out_dir, base_source=source if run.lora else None, dtype=param_dtype(precision)),
+        "exporting the final model",
+    )
     scores = [h["val_score"] for h in state.history if "val_score" in h]
     if len(scores) >= 2:
         n = min(run.eval.score_samples, len(data.scoring))

@@ -31,3 +31,28 @@ def test_ddp_matches_single_process(tmp_path, job, extra):
     for a, b in zip(reference, distributed):
         assert abs(a - b) <= 1e-5 * abs(a), (reference, distributed)
     assert (ddp / "final" / "model.safetensors").is_file()
+
+
+def test_uneven_validation_shards_match_single_process(tmp_path):
+    """One validation sample on two ranks: rank 1 has none, yet no rank waits and the loss is exact."""
+    args = ["finetune_full", *COMMON, "--data.num_val", "1", "--train.max_steps", "1", "--train.micro_batch_size", "4"]
+    run_cli(*args, "--out_dir", tmp_path / "single")
+    run_cli(*args, "--devices", "2", "--out_dir", tmp_path / "ddp", timeout=180)
+    from tests.conftest import read_metrics
+
+    single = [r["val_loss"] for r in read_metrics(tmp_path / "single") if "val_loss" in r]
+    ddp = [r["val_loss"] for r in read_metrics(tmp_path / "ddp") if "val_loss" in r]
+    assert len(single) == len(ddp) == 2
+    for a, b in zip(single, ddp):
+        assert abs(a - b) <= 1e-5 * a
+
+
+def test_bad_data_stops_every_rank_with_one_line(tmp_path):
+    proc = run_cli(
+        "finetune_full", "--data", "JSON", "--data.json_path", tmp_path / "missing.json", "--devices", "2",
+        "--accelerator", "cpu", "--out_dir", tmp_path / "o", check=False, timeout=120,
+    )
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("litft: error:")]
+    assert errors and all("missing.json does not exist" in line for line in errors)
+    assert not (tmp_path / "o").exists()

@@ -115,6 +115,12 @@ def test_max_tokens_and_epochs_end_the_run(tmp_path):
         train=TrainArgs(global_batch_size=16, micro_batch_size=16, epochs=2, max_steps=None), eval=EvalArgs(interval=0, initial_validation=False),
     )
     assert len(step_losses(tmp_path / "e")) == 8
+    # max_steps alone runs past the end of the first epoch into a reshuffled second one.
+    finetune_full(
+        data=TinyTasks(num_train=64, num_val=8), out_dir=tmp_path / "s",
+        train=TrainArgs(global_batch_size=16, micro_batch_size=16, max_steps=6), eval=EvalArgs(interval=0, initial_validation=False),
+    )
+    assert [r["epoch"] for r in read_metrics(tmp_path / "s") if "loss" in r] == [0, 0, 0, 0, 1, 1]
     finetune_full(
         data=TinyTasks(num_train=64, num_val=8), out_dir=tmp_path / "t",
         train=TrainArgs(global_batch_size=16, micro_batch_size=16, epochs=None, max_tokens=1000), eval=EvalArgs(interval=0, initial_validation=False),

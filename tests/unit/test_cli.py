@@ -55,7 +55,7 @@ def test_model_is_positional_and_yaml_readable(tmp_path):
         (["--model", "./no/such/model"], "model path ./no/such/model does not exist"),
         (["--precision", "16-mixed", "--accelerator", "cpu"], "16-mixed needs a GPU"),
         (["--data", "JSON", "--data.json_path", "missing.json"], "data file missing.json does not exist"),
-        (["--train.max_steps", "null", "--train.epochs", "null"], "set at least one of"),
+        (["--train.max_steps", "0"], "--train.max_steps must be at least 1"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
@@ -81,9 +81,23 @@ def test_out_dir_with_files_is_left_alone(tmp_path, capsys):
     out.mkdir()
     keep = out / "notes.txt"
     keep.write_text("precious")
-    code, err = run_main(["finetune_full", *SMALL, "--out_dir", out], capsys)
-    assert code == 2 and "already holds files" in err and "--overwrite true" in err
+    for extra in ([], ["--overwrite", "true"]):
+        code, err = run_main(["finetune_full", *SMALL, "--out_dir", out, *extra], capsys)
+        assert code == 2 and "holds files that litft did not write" in err
     assert keep.read_text() == "precious" and sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_earlier_run_is_replaced_only_when_asked(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["finetune_full", *SMALL, "--out_dir", str(out), "--eval.interval", "0"])
+    first = (out / "final" / "model.safetensors").stat().st_mtime_ns
+    (out / "notes.txt").write_text("mine")
+    code, err = run_main(["finetune_full", *SMALL, "--out_dir", out], capsys)
+    assert code == 2 and "already holds a run" in err and "--overwrite true" in err
+    assert (out / "final" / "model.safetensors").stat().st_mtime_ns == first
+    main(["finetune_full", *SMALL, "--out_dir", str(out), "--overwrite", "true"])
+    assert (out / "final" / "model.safetensors").stat().st_mtime_ns != first
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_unreachable_hub_id_is_one_line(tmp_path, capsys):
