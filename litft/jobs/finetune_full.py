@@ -5,7 +5,7 @@ from typing import Optional
 
 from litft.args import EvalArgs, TrainArgs
 from litft.data.base import DataModule
-from litft.jobs.run import Run, RunResult, config_of, execute
+from litft.jobs.run import RunResult, execute, make_run
 from litft.strategy import Accelerator, Precision, Strategy
 from litft.tiny import TINY_NAME
 
@@ -38,17 +38,7 @@ def finetune_full(
         train: Batch, schedule and run length.
         eval: Validation cadence and scoring.
         seed: Seeds the weights of new layers, the data order and dropout.
-        overwrite: Allow an out_dir that already holds files (its final model and logs are replaced).
+        overwrite: Replace the final model and logs of an earlier litft run in out_dir (nothing else there is touched).
     """
-    from litft.data.tiny import TinyTasks
-
-    data = data if data is not None else TinyTasks()
-    return execute(
-        Run(
-            job="finetune_full", model=model, data=data, out_dir=out_dir, precision=precision, devices=devices,
-            num_nodes=num_nodes, strategy=strategy, accelerator=accelerator, seed=seed, overwrite=overwrite,
-            train=train, eval=eval,
-            cli_config=config_of(model=model, data=data, out_dir=out_dir, precision=precision, devices=devices,
-                                 num_nodes=num_nodes, strategy=strategy, accelerator=accelerator, train=train, eval=eval, seed=seed),
-        )
-    )
+    arguments = dict(locals())  # the flags as given: recorded in run_config.yaml
+    return execute(make_run("finetune_full", arguments))

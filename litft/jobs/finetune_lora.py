@@ -5,7 +5,7 @@ from typing import List, Literal, Optional, Union
 
 from litft.args import EvalArgs, TrainArgs
 from litft.data.base import DataModule
-from litft.jobs.run import LoraSpec, Run, RunResult, config_of, execute
+from litft.jobs.run import LoraSpec, RunResult, execute, make_run
 from litft.strategy import Accelerator, Precision, Strategy
 from litft.tiny import TINY_NAME
 
@@ -48,22 +48,13 @@ def finetune_lora(
         train: Batch, schedule and run length.
         eval: Validation cadence and scoring.
         seed: Seeds the adapters' init, the data order and dropout.
-        overwrite: Allow an out_dir that already holds files (its final model and logs are replaced).
+        overwrite: Replace the final model and logs of an earlier litft run in out_dir (nothing else there is touched).
     """
-    from litft.data.tiny import TinyTasks
+    arguments = dict(locals())  # the flags as given: recorded in run_config.yaml
     from litft.lora import apply_lora
 
-    data = data if data is not None else TinyTasks()
     lora = LoraSpec(r=lora_r, alpha=lora_alpha, dropout=lora_dropout, target_modules=lora_target_modules)
-    run = Run(
-        job="finetune_lora", model=model, data=data, out_dir=out_dir, precision=precision, devices=devices,
-        num_nodes=num_nodes, strategy=strategy, accelerator=accelerator, seed=seed, overwrite=overwrite,
-        train=train, eval=eval, lora=lora, quantize=quantize,
-        cli_config=config_of(model=model, data=data, out_dir=out_dir, precision=precision, devices=devices,
-                             num_nodes=num_nodes, strategy=strategy, accelerator=accelerator, quantize=quantize,
-                             lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                             lora_target_modules=lora_target_modules, train=train, eval=eval, seed=seed),
-    )
+    run = make_run("finetune_lora", arguments, lora=lora, quantize=quantize)
     return execute(
         run,
         transform=lambda m: apply_lora(

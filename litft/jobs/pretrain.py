@@ -5,7 +5,7 @@ from typing import Optional
 
 from litft.args import EvalArgs, TrainArgs
 from litft.data.base import DataModule
-from litft.jobs.run import Run, RunResult, config_of, execute
+from litft.jobs.run import RunResult, execute, make_run
 from litft.strategy import Accelerator, Precision, Strategy
 from litft.tiny import TINY_NAME
 
@@ -42,28 +42,23 @@ def pretrain(
         train: Batch, schedule and run length.
         eval: Validation cadence.
         seed: Seeds the initial weights, the data order and dropout.
-        overwrite: Allow an out_dir that already holds files (its final model and logs are replaced).
+        overwrite: Replace the final model and logs of an earlier litft run in out_dir (nothing else there is touched).
     """
+    arguments = dict(locals())  # the flags as given: recorded in run_config.yaml
     from litft.data.tiny import TinyTasks
     from litft.errors import LitftError
 
     if init not in ("random", "pretrained"):
         raise LitftError(f"--init {init} is unknown; choose random or pretrained")
-    if data is None:
-        data = TinyTasks(mask_prompt=False, packing=True)
     model_source = model
     if model.endswith(".json") and Path(model).is_file():
         # A bare config file: transformers reads the architecture from its folder.
         if init == "pretrained":
             raise LitftError("--init pretrained needs a model folder or hub id with weights, not a config.json file")
         model_source = str(Path(model).parent)
-    return execute(
-        Run(
-            job="pretrain", model=model_source, data=data, out_dir=out_dir, precision=precision, devices=devices,
-            num_nodes=num_nodes, strategy=strategy, accelerator=accelerator, seed=seed, overwrite=overwrite,
-            train=train, eval=eval, random_init=init == "random", tokenizer=tokenizer,
-            cli_config=config_of(model=model, init=init, tokenizer=tokenizer, data=data, out_dir=out_dir, precision=precision,
-                                 devices=devices, num_nodes=num_nodes, strategy=strategy, accelerator=accelerator,
-                                 train=train, eval=eval, seed=seed),
-        )
+    # Without data, the tiny tasks as plain text: every token trained, samples packed.
+    run = make_run(
+        "pretrain", arguments, model=model_source, random_init=init == "random", tokenizer=tokenizer,
+        default_data=TinyTasks(mask_prompt=False, packing=True),
     )
+    return execute(run)

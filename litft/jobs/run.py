@@ -250,6 +250,27 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+COMMON_FIELDS = ("model", "data", "out_dir", "precision", "devices", "num_nodes", "strategy", "accelerator", "seed", "overwrite", "train", "eval")
+
+
+def make_run(job: str, arguments: dict, **job_fields) -> Run:
+    """A Run from a job function's own arguments (its ``locals()``), plus what only that job sets.
+
+    The arguments, minus ``overwrite``, are also what ``run_config.yaml`` records.
+    """
+    from litft.data.tiny import TinyTasks
+
+    arguments = dict(arguments)
+    if arguments.get("data") is None:
+        arguments["data"] = job_fields.pop("default_data", None) or TinyTasks()
+    job_fields.pop("default_data", None)
+    recorded = config_of(**{k: v for k, v in arguments.items() if k != "overwrite"})
+    common = {name: arguments[name] for name in COMMON_FIELDS}
+    common.update({k: v for k, v in job_fields.items() if k in common})
+    extra = {k: v for k, v in job_fields.items() if k not in common}
+    return Run(job=job, cli_config=recorded, **common, **extra)
+
+
 def config_of(**values) -> dict:
     """The job's arguments as YAML-ready data that ``--config`` reads back."""
     out = {}

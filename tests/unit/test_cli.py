@@ -98,6 +98,9 @@ def test_earlier_run_is_replaced_only_when_asked(tmp_path, capsys):
     main(["finetune_full", *SMALL, "--out_dir", str(out), "--overwrite", "true"])
     assert (out / "final" / "model.safetensors").stat().st_mtime_ns != first
     assert (out / "notes.txt").read_text() == "mine"
+    # The recorded config is a valid --config file that reproduces the run's settings.
+    again = cli_parser().parse_args(["finetune_full", "--config", str(out / "run_config.yaml")]).finetune_full
+    assert again.train.max_steps == 1 and again.data.init_args.num_train == 64 and again.model == "litft-tiny"
 
 
 def test_unreachable_hub_id_is_one_line(tmp_path, capsys):
