@@ -84,7 +84,7 @@ class Progress:
             self.bar.close()
 
 
-def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainArgs, eval: EvalArgs, seed: int, tokenizer, state: Optional[LoopState] = None) -> LoopState:
+def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainArgs, eval: EvalArgs, seed: int, tokenizer, total_steps: int, state: Optional[LoopState] = None) -> LoopState:
     """Train until the planned step count or the token budget is reached.
 
     Each step takes the rank's micro-batches of one global batch, counts the target
@@ -96,7 +96,6 @@ def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainAr
     order = SampleOrder(
         len(data.train), train.global_batch_size, train.micro_batch_size, fabric.global_rank, fabric.world_size, seed
     )
-    total_steps = plan_steps(train, len(data.train), sum(len(s["input_ids"]) for s in data.train) / len(data.train))
     pad_id = tokenizer.pad_token_id
     progress = Progress(fabric.is_global_zero, total_steps, state.step)
 
@@ -111,9 +110,14 @@ def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainAr
         if state.epoch_step >= order.steps_per_epoch:
             state.epoch, state.epoch_step = state.epoch + 1, 0
         micro = [collate([data.train[i] for i in idx], pad_id) for idx in order.micro_batches(state.epoch, state.epoch_step)]
-        local_targets = torch.tensor(sum(target_tokens(b) for b in micro), dtype=torch.float64, device=fabric.device)
-        global_targets = fabric.all_reduce(local_targets, reduce_op="sum").item()
-        scale = fabric.world_size / max(global_targets, 1.0)
+        # One all-reduce before the step: loss-carrying tokens (for the scale), input tokens, samples.
+        counts = torch.tensor(
+            [sum(target_tokens(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro)],
+            dtype=torch.float64,
+            device=fabric.device,
+        )
+        global_targets, step_tokens, step_samples = (int(c) for c in fabric.all_reduce(counts, reduce_op="sum").tolist())
+        scale = fabric.world_size / max(global_targets, 1)
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=fabric.device)
         for i, batch in enumerate(micro):
@@ -129,19 +133,15 @@ def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainAr
         lr = optimizer.param_groups[0]["lr"]
         scheduler.step()
 
-        step_tokens = torch.tensor(
-            [sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro)], device=fabric.device
-        )
-        step_tokens = fabric.all_reduce(step_tokens, reduce_op="sum")
         loss_total = fabric.all_reduce(loss_sum, reduce_op="sum").item()
         state.step += 1
         state.epoch_step += 1
-        state.tokens += int(step_tokens[0])
-        state.samples += int(step_tokens[1])
-        window_tokens += int(step_tokens[0])
-        window_samples += int(step_tokens[1])
+        state.tokens += step_tokens
+        state.samples += step_samples
+        window_tokens += step_tokens
+        window_samples += step_samples
 
-        metrics = {"loss": loss_total / max(global_targets, 1.0), "lr": lr, "epoch": state.epoch, "tokens": state.tokens}
+        metrics = {"loss": loss_total / max(global_targets, 1), "lr": lr, "epoch": state.epoch, "tokens": state.tokens}
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         if state.step % train.log_interval == 0 or state.step == total_steps:

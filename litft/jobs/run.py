@@ -214,7 +214,8 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
         raise LitftError(
             f"the training data has {len(data.train)} samples, fewer than one global batch ({run.train.global_batch_size}); add data or lower --train.global_batch_size"
         )
-    lm = CausalLM(model, run.train, total_steps=plan_steps(run.train, len(data.train), mean_tokens))
+    total_steps = plan_steps(run.train, len(data.train), mean_tokens)
+    lm = CausalLM(model, run.train, total_steps=total_steps)
     optimizers = lm.configure_optimizers()
     module = fabric.setup_module(lm, move_to_device=run.quantize is None)
     optimizer = fabric.setup_optimizers(optimizers["optimizer"])
@@ -223,7 +224,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
         f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trained; "
         f"{len(data.train)} train / {len(data.val)} val samples; world size {fabric.world_size}; precision {precision}"
     )
-    state = fit(fabric, module, optimizer, optimizers["lr_scheduler"], data, run.train, run.eval, run.seed, tokenizer)
+    state = fit(fabric, module, optimizer, optimizers["lr_scheduler"], data, run.train, run.eval, run.seed, tokenizer, total_steps)
 
     from litft.export import export_final
 
