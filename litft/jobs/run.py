@@ -135,7 +135,8 @@ def rank_zero_first(fabric, fn: Callable, stage: str):
     if fabric.world_size > 1:
         message = fabric.broadcast(message, src=0)
     if error is not None:
-        agree_on_failure(fabric, error, stage)
+        # The broadcast already told every rank; a further collective would wait for ranks that have exited.
+        raise error
     if message is not None:
         raise LitftError(message)
     if fabric.global_rank != 0:
@@ -262,9 +263,9 @@ def make_run(job: str, arguments: dict, **job_fields) -> Run:
     from litft.data.tiny import TinyTasks
 
     arguments = dict(arguments)
-    if arguments.get("data") is None:
-        arguments["data"] = job_fields.pop("default_data", None) or TinyTasks()
-    job_fields.pop("default_data", None)
+    default_data = job_fields.pop("default_data", None)
+    if arguments["data"] is None:
+        arguments["data"] = default_data or TinyTasks()
     recorded = config_of(**{k: v for k, v in arguments.items() if k != "overwrite"})
     common = {name: arguments[name] for name in COMMON_FIELDS}
     common.update({k: v for k, v in job_fields.items() if k in common})
