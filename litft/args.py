@@ -1,7 +1,8 @@
 """Option groups shared by every job; their attribute docstrings are the ``--help`` text."""
 
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Literal, Optional
 
 
 @dataclass
@@ -54,3 +55,31 @@ class EvalArgs:
     """Validation prompts answered by greedy generation and scored by exact match, at start and end (0: off; instruction data only)."""
     max_new_tokens: int = 32
     """Longest answer generated when scoring."""
+
+
+@dataclass
+class FSDPArgs:
+    """How --strategy fsdp shards the model (FSDP2: one shard unit per transformer block, then the root)."""
+
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "HYBRID_SHARD"
+    """FULL_SHARD: shard over every rank; SHARD_GRAD_OP: also keep gathered weights from forward to backward; HYBRID_SHARD: shard inside a group, replicate across groups; NO_SHARD: replicate (like DDP)."""
+    shard_size: Optional[int] = None
+    """HYBRID_SHARD: ranks that share one sharded copy of the model (default: --devices, i.e. one node)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer states in CPU memory between uses (GPU only)."""
+
+
+@dataclass
+class DeepSpeedArgs:
+    """How --strategy deepspeed partitions the training state (DeepSpeed ZeRO)."""
+
+    stage: Literal[0, 1, 2, 3] = 2
+    """ZeRO stage: 0 replicates everything, 1 partitions optimizer states, 2 also gradients, 3 also parameters."""
+    offload_optimizer: Optional[Literal["cpu", "nvme"]] = None
+    """Move optimizer states (and the step) to CPU memory or NVMe (stage 1 and up)."""
+    offload_parameters: Optional[Literal["cpu", "nvme"]] = None
+    """Move partitioned parameters to CPU memory or NVMe (stage 3 only)."""
+    nvme_path: Path = Path("/local_nvme")
+    """Folder on a fast local disk for nvme offload."""
+    config: Optional[Path] = None
+    """A DeepSpeed JSON config; its "auto" values are filled from litft's flags (batch sizes, clipping, precision)."""

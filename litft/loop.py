@@ -12,6 +12,7 @@ import torch
 from litft.args import EvalArgs, TrainArgs
 from litft.data.base import PreparedData, Prompted, SampleOrder, collate, eval_batches
 from litft.model import target_tokens
+from litft.strategy import model_state_bytes, optimizer_step
 
 
 @dataclass
@@ -127,10 +128,10 @@ def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainAr
                 loss = module.training_step(batch)
                 fabric.backward(loss * scale)
             loss_sum += loss.detach().double()
-        grad_norm = fabric.clip_gradients(module, optimizer, max_norm=train.max_norm) if train.max_norm else None
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]
+        if state.step == start_step:
+            grad_bytes = model_state_bytes(fabric, module, optimizer)["grads"]
+        grad_norm = optimizer_step(fabric, module, optimizer, train.max_norm)
         scheduler.step()
 
         loss_total = fabric.all_reduce(loss_sum, reduce_op="sum").item()
@@ -142,6 +143,11 @@ def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainAr
         window_samples += step_samples
 
         metrics = {"loss": loss_total / max(global_targets, 1), "lr": lr, "epoch": state.epoch, "tokens": state.tokens}
+        if state.step == start_step + 1:
+            # What sharding saves: this rank's parameters, gradients (as they were before the
+            # step) and optimizer states, in bytes; logged once, they do not change.
+            held = model_state_bytes(fabric, module, optimizer)
+            metrics.update(params_bytes=held["params"], grads_bytes=grad_bytes, optimizer_bytes=held["optimizer"])
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         if state.step % train.log_interval == 0 or state.step == total_steps:

@@ -103,6 +103,14 @@ class CausalLM(L.LightningModule):
         self.model = model
         self.train_args = train
         self.total_steps = total_steps
+        # Gives real values to a part built on the meta device (see litft.weights); the
+        # strategy calls it per transformer block when it shards, or once for the whole model.
+        self.materialize = lambda part: None
+
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        """The transformers model itself, under peft's wrapper if LoRA was applied."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits

@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import List, Literal, Optional, Union
 
-from litft.args import EvalArgs, TrainArgs
+from litft.args import DeepSpeedArgs, EvalArgs, FSDPArgs, TrainArgs
 from litft.data.base import DataModule
 from litft.jobs.run import LoraSpec, RunResult, execute, make_run
 from litft.strategy import Accelerator, Precision, Strategy
@@ -18,6 +18,8 @@ def finetune_lora(
     devices: int = 1,
     num_nodes: int = 1,
     strategy: Strategy = "auto",
+    fsdp: FSDPArgs = FSDPArgs(),
+    deepspeed: DeepSpeedArgs = DeepSpeedArgs(),
     accelerator: Accelerator = "auto",
     quantize: Optional[Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq"]] = None,
     lora_r: int = 8,
@@ -38,7 +40,9 @@ def finetune_lora(
         precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs that have it, else 32-true).
         devices: Processes (GPUs) per node.
         num_nodes: Nodes taking part.
-        strategy: auto (one device, or DDP for several) or ddp.
+        strategy: auto (one device, or DDP for several), ddp, fsdp (FSDP2, sharded per block) or deepspeed (ZeRO).
+        fsdp: Sharding options for --strategy fsdp.
+        deepspeed: ZeRO stage, offload and config file for --strategy deepspeed.
         accelerator: auto, cpu or cuda.
         quantize: Load the frozen base in 4 bits with bitsandbytes (QLoRA); -dq also quantizes the scales.
         lora_r: Rank of the adapters.

@@ -3,7 +3,7 @@
 from pathlib import Path
 from typing import Optional
 
-from litft.args import EvalArgs, TrainArgs
+from litft.args import DeepSpeedArgs, EvalArgs, FSDPArgs, TrainArgs
 from litft.data.base import DataModule
 from litft.jobs.run import RunResult, execute, make_run
 from litft.strategy import Accelerator, Precision, Strategy
@@ -20,6 +20,8 @@ def pretrain(
     devices: int = 1,
     num_nodes: int = 1,
     strategy: Strategy = "auto",
+    fsdp: FSDPArgs = FSDPArgs(),
+    deepspeed: DeepSpeedArgs = DeepSpeedArgs(),
     accelerator: Accelerator = "auto",
     train: TrainArgs = TrainArgs(global_batch_size=32, micro_batch_size=8, learning_rate=3e-3, warmup_steps=20, max_norm=1.0),
     eval: EvalArgs = EvalArgs(interval=200),
@@ -37,7 +39,9 @@ def pretrain(
         precision: 32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs that have it, else 32-true).
         devices: Processes (GPUs) per node.
         num_nodes: Nodes taking part.
-        strategy: auto (one device, or DDP for several) or ddp.
+        strategy: auto (one device, or DDP for several), ddp, fsdp (FSDP2, sharded per block) or deepspeed (ZeRO).
+        fsdp: Sharding options for --strategy fsdp.
+        deepspeed: ZeRO stage, offload and config file for --strategy deepspeed.
         accelerator: auto, cpu or cuda.
         train: Batch, schedule and run length.
         eval: Validation cadence.

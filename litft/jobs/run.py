@@ -10,7 +10,7 @@ from typing import Callable, List, Optional, Union
 import torch
 import yaml
 
-from litft.args import EvalArgs, TrainArgs
+from litft.args import DeepSpeedArgs, EvalArgs, FSDPArgs, TrainArgs
 from litft.data.base import DataModule
 from litft.errors import LitftError
 
@@ -40,6 +40,8 @@ class Run:
     overwrite: bool
     train: TrainArgs
     eval: EvalArgs
+    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
+    deepspeed: DeepSpeedArgs = field(default_factory=DeepSpeedArgs)
     random_init: bool = False
     tokenizer: Optional[str] = None
     lora: Optional[LoraSpec] = None
@@ -78,6 +80,8 @@ def check_flags(run: Run) -> None:
         raise LitftError("--quantize trains 4-bit weights only through LoRA adapters; use finetune_lora")
     if run.quantize is not None and world > 1:
         raise LitftError("--quantize runs on one process for now; use --devices 1 --num_nodes 1")
+    if run.quantize is not None and run.strategy in ("fsdp", "deepspeed"):
+        raise LitftError(f"--quantize with --strategy {run.strategy} is not supported yet; use --strategy auto on one device")
     if run.eval.score_samples and not hasattr(run.data, "prompted"):
         raise LitftError("--eval.score_samples needs instruction data (prompts with answers); set it to 0 for plain text")
 
@@ -162,22 +166,20 @@ def on_rank_zero(fabric, fn: Callable, stage: str) -> None:
 def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     """The single path every job takes, from flags to an exported model."""
     from litft.loop import fit, plan_steps
-    from litft.model import CausalLM, load_causal_lm, load_tokenizer, resolve_model
-    from litft.strategy import build_fabric, compute_dtype, param_dtype, resolve_accelerator, resolve_precision
+    from litft.model import load_tokenizer, resolve_model
+    from litft.strategy import (
+        build_fabric, full_state_dict, is_fsdp, numel, param_dtype, replica_divergence, resolve_accelerator,
+        resolve_precision, setup_training,
+    )
 
     started = time.perf_counter()
     quiet_libraries()
     check_flags(run)
     accelerator = resolve_accelerator(run.accelerator)
     precision = resolve_precision(run.precision, accelerator)
-    fabric = build_fabric(
-        accelerator=accelerator,
-        devices=run.devices,
-        num_nodes=run.num_nodes,
-        strategy=run.strategy,
-        precision=precision,
-        out_dir=run.out_dir,
-    )
+    layout = layout_of(run)
+    layout.check(accelerator, precision)
+    fabric = build_fabric(accelerator=accelerator, layout=layout, precision=precision, train=run.train, out_dir=run.out_dir)
     fabric.launch()
 
     def prepare():
@@ -195,44 +197,39 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
 
     on_rank_zero(fabric, record_config, "writing the run's config")
 
-    fabric.seed_everything(run.seed)
-    from litft.lora import quantization_config
-
-    model = load_causal_lm(
-        source,
-        random_init=run.random_init,
-        dtype=param_dtype(precision),
-        quantization_config=quantization_config(run.quantize, compute_dtype(precision)),
-        device=fabric.device,
-    )
-    if run.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if transform is not None:
-        model = transform(model)
-
-    mean_tokens = sum(len(s["input_ids"]) for s in data.train) / len(data.train)
     if len(data.train) < run.train.global_batch_size:
         raise LitftError(
             f"the training data has {len(data.train)} samples, fewer than one global batch ({run.train.global_batch_size}); add data or lower --train.global_batch_size"
         )
+    mean_tokens = sum(len(s["input_ids"]) for s in data.train) / len(data.train)
     total_steps = plan_steps(run.train, len(data.train), mean_tokens)
-    lm = CausalLM(model, run.train, total_steps=total_steps)
-    optimizers = lm.configure_optimizers()
-    module = fabric.setup_module(lm, move_to_device=run.quantize is None)
-    optimizer = fabric.setup_optimizers(optimizers["optimizer"])
+    fabric.seed_everything(run.seed)
+    lm = build_module(run, source, precision, fabric.device, transform, total_steps)
+    if not is_fsdp(fabric):
+        lm.materialize(lm)  # FSDP fills the model block by block while it shards it
+    module, optimizer, scheduler = setup_training(fabric, lm, move_to_device=run.quantize is None)
+    model = lm.model
     fabric.print(
-        f"{run.job}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trained; "
+        f"{run.job}: {sum(numel(p) for p in model.parameters()):,} parameters, "
+        f"{sum(numel(p) for p in model.parameters() if p.requires_grad):,} trained; "
         f"{len(data.train)} train / {len(data.val)} val samples; world size {fabric.world_size}; precision {precision}"
     )
-    state = fit(fabric, module, optimizer, optimizers["lr_scheduler"], data, run.train, run.eval, run.seed, tokenizer, total_steps)
+    state = fit(fabric, module, optimizer, scheduler, data, run.train, run.eval, run.seed, tokenizer, total_steps)
 
     from litft.export import export_final
 
+    divergence = replica_divergence(fabric, lm)
+    if divergence is not None:
+        # Replicas that drifted apart would mean gradients were not averaged across them.
+        fabric.log_dict({"replica_max_abs_diff": divergence}, step=state.step)
+        fabric.print(f"replicas in step: largest parameter difference between replica groups {divergence:.3g}")
     final_dir = run.out_dir / "final"
+    gathered = full_state_dict(fabric, lm)
     on_rank_zero(
         fabric,
-        lambda: export_final(lm.model, tokenizer, run.out_dir, base_source=source if run.lora else None, dtype=param_dtype(precision)),
+        lambda: export_final(
+            lm.model, tokenizer, run.out_dir, base_source=source if run.lora else None, dtype=param_dtype(precision), state_dict=gathered
+        ),
         "exporting the final model",
     )
     scores = [h["val_score"] for h in state.history if "val_score" in h]
@@ -241,6 +238,41 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
         fabric.print(f"task score (exact match on {n} held-out prompts): {scores[0]:.3f} before, {scores[-1]:.3f} after")
     fabric.print(f"{run.job} finished {state.step} steps in {time.perf_counter() - started:.0f} s; model in {final_dir}")
     return RunResult(model=lm.model, history=state.history, out_dir=run.out_dir, final_dir=final_dir)
+
+
+def layout_of(run: Run):
+    from litft.strategy import Parallelism
+
+    return Parallelism(run.strategy, run.devices, run.num_nodes, run.fsdp, run.deepspeed)
+
+
+def build_module(run: Run, source: str, precision: str, device, transform: Optional[Callable], total_steps: int):
+    """The LightningModule with the model built on the meta device, LoRA applied, ready to be materialized.
+
+    A quantized base is the exception: bitsandbytes quantizes while loading, so it
+    is loaded for real onto its device.
+    """
+    from litft.lora import quantization_config
+    from litft.model import CausalLM, load_causal_lm, load_config
+    from litft.strategy import compute_dtype, param_dtype
+    from litft.weights import CheckpointWeights, Materializer, locate_checkpoint, skeleton
+
+    if run.quantize is not None:
+        model = load_causal_lm(
+            source, random_init=False, dtype=param_dtype(precision),
+            quantization_config=quantization_config(run.quantize, compute_dtype(precision)), device=device,
+        )
+    else:
+        model = skeleton(load_config(source), param_dtype(precision))
+    if run.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if transform is not None:
+        model = transform(model)
+    lm = CausalLM(model, run.train, total_steps=total_steps)
+    if run.quantize is None:
+        weights = None if run.random_init else CheckpointWeights(locate_checkpoint(source))
+        lm.materialize = Materializer(lm.model, lm.hf_model, weights, run.seed)
+    return lm
 
 
 def quiet_libraries() -> None:
@@ -252,7 +284,10 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-COMMON_FIELDS = ("model", "data", "out_dir", "precision", "devices", "num_nodes", "strategy", "accelerator", "seed", "overwrite", "train", "eval")
+COMMON_FIELDS = (
+    "model", "data", "out_dir", "precision", "devices", "num_nodes", "strategy", "accelerator", "seed", "overwrite", "train", "eval",
+    "fsdp", "deepspeed",
+)
 
 
 def make_run(job: str, arguments: dict, **job_fields) -> Run:
@@ -283,12 +318,15 @@ def config_of(**values) -> dict:
             name = type(value).__name__
             module = "litft.data" if getattr(litft.data, name, None) is type(value) else type(value).__module__
             out[key] = {"class_path": f"{module}.{name}", "init_args": value.config_dict()}
-        elif is_dataclass(value):
-            out[key] = asdict(value)
-        elif isinstance(value, Path):
-            out[key] = str(value)
-        elif isinstance(value, tuple):
-            out[key] = list(value)
         else:
-            out[key] = value
+            out[key] = _plain(asdict(value) if is_dataclass(value) else value)
     return out
+
+
+def _plain(value):
+    """YAML-safe: paths as strings, tuples as lists, all the way down."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value) if isinstance(value, Path) else value

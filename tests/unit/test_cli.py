@@ -56,12 +56,24 @@ def test_model_is_positional_and_yaml_readable(tmp_path):
         (["--precision", "16-mixed", "--accelerator", "cpu"], "16-mixed needs a GPU"),
         (["--data", "JSON", "--data.json_path", "missing.json"], "data file missing.json does not exist"),
         (["--train.max_steps", "0"], "--train.max_steps must be at least 1"),
+        (
+            ["--strategy", "fsdp", "--devices", "3", "--fsdp.shard_size", "2", "--train.global_batch_size", "24"],
+            "HYBRID_SHARD needs the world size (3 devices x 1 nodes = 3) to be a multiple of the shard group size (2)",
+        ),
+        (["--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD", "--fsdp.shard_size", "2"], "only applies to HYBRID_SHARD"),
+        (["--strategy", "fsdp", "--fsdp.cpu_offload", "true", "--accelerator", "cpu"], "nothing to offload"),
+        (["--strategy", "deepspeed", "--deepspeed.stage", "4"], "--deepspeed.stage: expected one of 0, 1, 2, 3, got 4"),
+        (["--strategy", "ddp", "--deepspeed.offload_optimizer", "cpu"], "--deepspeed.* options only apply to --strategy deepspeed"),
+        (["--strategy", "deepspeed", "--deepspeed.offload_parameters", "cpu"], "offload_parameters needs --deepspeed.stage 3"),
+        (["--strategy", "deepspeed", "--deepspeed.stage", "0", "--deepspeed.offload_optimizer", "cpu"], "needs --deepspeed.stage 1, 2 or 3"),
+        (["--strategy", "deepspeed", "--deepspeed.config", "nope.json"], "--deepspeed.config nope.json does not exist"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     code, err = run_main(["finetune_full", *SMALL, "--out_dir", tmp_path / "o", *args], capsys)
     assert code == 2
     assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_quantize_needs_lora_and_one_process(tmp_path, capsys):

@@ -1,0 +1,202 @@
+"""Where a model's first values come from: a checkpoint read tensor by tensor, or a seeded init.
+
+Every job builds its model on the meta device (no memory), applies LoRA there,
+and then gives real values to one unit at a time: a transformer block, then the
+rest. Under FSDP each block is sharded right after it is filled, so no rank ever
+holds more than one full block beside its shards. Because every tensor's value is
+a pure function of (checkpoint or seed, tensor name), one process, DDP, FSDP and
+DeepSpeed all start from the same weights, which is what lets the tests compare
+their losses.
+"""
+
+import json
+import math
+import zlib
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from litft.errors import LitftError
+
+PEFT_PREFIX = "base_model.model."
+
+
+def checkpoint_name(name: str) -> str:
+    """The name a tensor has in the base model's checkpoint: peft's wrappers removed."""
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def is_lora_tensor(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
+
+
+class CheckpointWeights:
+    """Read-only access to the tensors of a Hugging Face checkpoint folder, one tensor at a time.
+
+    safetensors files are memory-mapped, so reading a tensor touches only its bytes.
+    ``.bin`` checkpoints are loaded with ``weights_only=True`` (never arbitrary pickle).
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.where: Dict[str, Path] = {}
+        self._open: dict = {}
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.where = {name: folder / file for name, file in weight_map.items()}
+        elif (folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+                self.where = {name: folder / "model.safetensors" for name in f.keys()}
+        elif (folder / "pytorch_model.bin").is_file():
+            state = torch.load(folder / "pytorch_model.bin", map_location="cpu", mmap=True, weights_only=True)
+            self._open[folder / "pytorch_model.bin"] = state
+            self.where = {name: folder / "pytorch_model.bin" for name in state}
+        else:
+            raise LitftError(f"{folder} has no model.safetensors(.index.json) or pytorch_model.bin; point the model argument at a full Hugging Face checkpoint")
+
+    def find(self, names: Iterable[str]) -> Optional[str]:
+        """The first of ``names`` (or the same without the base-model prefix) that the checkpoint holds."""
+        for name in names:
+            for candidate in (name, name.removeprefix("model.")):
+                if candidate in self.where:
+                    return candidate
+        return None
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.where[name]
+        if path not in self._open:
+            from safetensors import safe_open
+
+            self._open[path] = safe_open(str(path), framework="pt")
+        handle = self._open[path]
+        return handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
+
+
+def locate_checkpoint(source: str) -> Path:
+    """A local folder holding ``source``'s weights; hub ids go through the hub cache (downloaded once)."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, allow_patterns=["*.safetensors", "*.json", "*.bin"]))
+    except Exception as err:  # noqa: BLE001 - hub errors come in many types; all mean the same to the user
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise LitftError(f"could not fetch the weights of '{source}' ({first}); pass a local Hugging Face model folder") from None
+
+
+def skeleton(config, dtype: torch.dtype) -> nn.Module:
+    """The model's structure with every parameter and buffer on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+class Materializer:
+    """Gives real values to the meta tensors of any part of a model, on request.
+
+    ``weights`` is None for a random init (pretraining from scratch). LoRA
+    adapters are always initialized as peft does (A Kaiming-uniform, B zero), from
+    a seed derived from the adapter's name.
+    """
+
+    def __init__(self, root: nn.Module, hf_model: nn.Module, weights: Optional[CheckpointWeights], seed: int):
+        self.root = root
+        self.hf_model = hf_model
+        self.weights = weights
+        self.seed = seed
+        # A tensor may be reachable under several names (tied input and output embeddings).
+        self.names: Dict[int, List[str]] = defaultdict(list)
+        self.owners: Dict[int, list] = defaultdict(list)
+        for module_name, module in root.named_modules(remove_duplicate=False):
+            for kind in ("_parameters", "_buffers"):
+                for attr, tensor in getattr(module, kind).items():
+                    if tensor is not None and tensor.is_meta:
+                        full = f"{module_name}.{attr}" if module_name else attr
+                        self.names[id(tensor)].append(checkpoint_name(full))
+                        self.owners[id(tensor)].append((module, kind, attr))
+
+    def __call__(self, part: nn.Module) -> None:
+        prefix = {id(m): n for n, m in self.root.named_modules(remove_duplicate=False)}
+        for module in part.modules():
+            self._fill_module(prefix.get(id(module), ""), module)
+
+    @torch.no_grad()
+    def _fill_module(self, module_name: str, module: nn.Module) -> None:
+        pending = [
+            (kind, attr, tensor)
+            for kind in ("_parameters", "_buffers")
+            for attr, tensor in getattr(module, kind).items()
+            if tensor is not None and tensor.is_meta
+        ]
+        if not pending:
+            return
+        fresh = []
+        for kind, attr, meta in pending:
+            value = torch.empty(meta.shape, dtype=meta.dtype)
+            if kind == "_parameters":
+                value = nn.Parameter(value, requires_grad=meta.requires_grad)
+            for owner, owner_kind, owner_attr in self.owners[id(meta)]:
+                getattr(owner, owner_kind)[owner_attr] = value
+            fresh.append((kind, attr, self.names[id(meta)], value))
+
+        name = checkpoint_name(module_name)
+        persistent = {a for a in module._buffers if a not in module._non_persistent_buffers_set}
+        sources = []
+        for kind, attr, names, value in fresh:
+            from_checkpoint = self.weights is not None and not is_lora_tensor(names[0]) and (kind == "_parameters" or attr in persistent)
+            key = self.weights.find(names) if from_checkpoint else None
+            if from_checkpoint and key is None:
+                raise LitftError(
+                    f"the checkpoint in {self.weights.folder} has no tensor for {names[0]}; it does not match this model's config"
+                )
+            sources.append(key)
+        if any(key is None for key in sources):
+            self._init(name, module, [value for _, _, _, value in fresh])
+        for key, (_, _, _, value) in zip(sources, fresh):
+            if key is None:
+                continue
+            stored = self.weights.get(key)
+            if stored.shape != value.shape:
+                raise LitftError(
+                    f"{key} in {self.weights.folder} has shape {tuple(stored.shape)}, the model expects {tuple(value.shape)}"
+                )
+            value.copy_(stored)
+
+    def _init(self, name: str, module: nn.Module, values: List[torch.Tensor]) -> None:
+        """peft's adapter init for LoRA matrices, the model's own init for everything else."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed_for(self.seed, name))
+            dotted = f".{name}."
+            if ".lora_A." in dotted or ".lora_embedding_A." in dotted:
+                for value in values:
+                    nn.init.kaiming_uniform_(value, a=math.sqrt(5))
+            elif ".lora_B." in dotted or ".lora_embedding_B." in dotted:
+                for value in values:
+                    nn.init.zeros_(value)
+            else:
+                # Also recomputes non-persistent buffers such as the rotary frequencies.
+                self.hf_model._init_weights(module)
+
+
+def transformer_blocks(hf_model: nn.Module) -> List[nn.Module]:
+    """The repeated blocks of any HF causal LM, found from its ``_no_split_modules``, in order."""
+    classes = set(getattr(hf_model, "_no_split_modules", None) or [])
+    blocks = [m for m in hf_model.modules() if type(m).__name__ in classes]
+    if not blocks:
+        raise LitftError(
+            f"{type(hf_model).__name__} names no transformer block class (_no_split_modules); it cannot be sharded per block"
+        )
+    return blocks

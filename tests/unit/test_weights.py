@@ -1,0 +1,75 @@
+"""Models built on the meta device and materialized part by part must equal what transformers loads."""
+
+import pytest
+import torch
+
+from litft.errors import LitftError
+from litft.model import load_causal_lm, load_config
+from litft.weights import CheckpointWeights, Materializer, skeleton, transformer_blocks
+
+
+def materialized(tiny_dir, weights=True, seed=0, order="whole", lora=False):
+    model = skeleton(load_config(str(tiny_dir)), torch.float32)
+    if lora:
+        from litft.lora import apply_lora
+
+        model = apply_lora(model, 4, 8, 0.0, "all-linear", quantized=False, gradient_checkpointing=False)
+    hf = model.get_base_model() if lora else model
+    fill = Materializer(model, hf, CheckpointWeights(tiny_dir) if weights else None, seed)
+    if order == "blocks":
+        # As FSDP does it: each block on its own, the rest afterwards.
+        for block in reversed(transformer_blocks(hf)):
+            fill(block)
+    fill(model)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    return model
+
+
+def test_checkpoint_load_equals_transformers(tiny_dir):
+    reference = load_causal_lm(str(tiny_dir), random_init=False, dtype=torch.float32)
+    model = materialized(tiny_dir, order="blocks")
+    ref_state, state = reference.state_dict(), model.state_dict()
+    assert ref_state.keys() == state.keys()
+    for name in ref_state:
+        torch.testing.assert_close(state[name], ref_state[name], rtol=0, atol=0, msg=name)
+    # Non-persistent buffers (rotary frequencies) are recomputed, not left as uninitialized memory.
+    for (name, buf), (_, ref_buf) in zip(model.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(buf, ref_buf, msg=name)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tying survives materialization
+    ids = torch.tensor([[1, 5, 9, 200, 3]])
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+def test_random_init_depends_on_seed_and_name_only(tiny_dir):
+    whole = materialized(tiny_dir, weights=False, seed=3)
+    by_block = materialized(tiny_dir, weights=False, seed=3, order="blocks")
+    other_seed = materialized(tiny_dir, weights=False, seed=4)
+    for (name, a), b, c in zip(whole.named_parameters(), by_block.parameters(), other_seed.parameters()):
+        assert torch.equal(a, b), name
+        if "norm" not in name:
+            assert not torch.equal(a, c), name
+    std = whole.config.initializer_range
+    assert abs(whole.model.layers[0].mlp.up_proj.weight.std().item() - std) < 0.1 * std
+    assert torch.isfinite(whole(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_lora_adapters_start_as_peft_does(tiny_dir):
+    model = materialized(tiny_dir, lora=True, order="blocks")
+    adapters = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert adapters and all(p.requires_grad for p in adapters.values())
+    assert all(torch.count_nonzero(p) == 0 for n, p in adapters.items() if "lora_B" in n)
+    assert all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_A" in n)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    again = materialized(tiny_dir, lora=True)
+    for (name, a), b in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_of_another_model_is_refused(tiny_dir, tmp_path):
+    config = load_config(str(tiny_dir))
+    config.num_hidden_layers += 1
+    model = skeleton(config, torch.float32)
+    with pytest.raises(LitftError, match="has no tensor for model.layers.4"):
+        Materializer(model, model, CheckpointWeights(tiny_dir), 0)(model)
+    with pytest.raises(LitftError, match="no model.safetensors"):
+        CheckpointWeights(tmp_path)
