@@ -438,8 +438,16 @@ def full_state_dict(fabric, lm) -> Optional[dict]:
     if is_fsdp(fabric):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(lm.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if is_deepspeed(fabric) and fabric.strategy.zero_stage_3:
-        gathered = fabric.strategy.model._zero3_consolidated_16bit_state_dict()
-        return {k.removeprefix("model."): v for k, v in gathered.items()} if fabric.global_rank == 0 else {}
-    return None
+        gathered = get_model_state_dict(lm.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    elif is_deepspeed(fabric) and fabric.strategy.zero_stage_3:
+        gathered = fabric.strategy.model._zero3_consolidated_16bit_state_dict() or {}
+        gathered = {k.removeprefix("model."): v for k, v in gathered.items()}
+    else:
+        return None
+    # Gathered copies no longer share storage; a tied weight (output head = input embedding) is kept once.
+    seen, duplicates = set(), []
+    for name, param in lm.model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            duplicates.append(name)
+        seen.add(id(param))
+    return {k: v for k, v in gathered.items() if k not in duplicates}

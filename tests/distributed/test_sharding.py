@@ -1,0 +1,114 @@
+"""FSDP2 and DeepSpeed ZeRO, in real gloo processes, must train what one process trains on the same global batch.
+
+Each run is also checked against the sharding theory: the bytes of parameters,
+gradients and optimizer states a rank holds, as a fraction of what one process holds.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, read_metrics, run_cli, step_losses
+
+COMMON = [
+    "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8",
+    "--train.global_batch_size", "8", "--train.max_steps", "4", "--train.learning_rate", "3e-3",
+    "--train.warmup_steps", "1", "--eval.interval", "0", "--eval.max_batches", "1", "--eval.initial_validation", "false",
+    "--precision", "32-true", "--accelerator", "cpu",
+]
+JOBS = {
+    "finetune_full": ([], "final/model.safetensors"),
+    "finetune_lora": (["--lora_dropout", "0", "--lora_r", "4"], "final-adapter/adapter_model.safetensors"),
+}
+# Per rank, as a fraction of one process: (parameters, gradients, optimizer states).
+# ZeRO's optimizer states include its fp32 master copy of the partition: (2 + 1) / 2 of Adam's 2 states.
+LAYOUTS = {
+    "FULL_SHARD": (["--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD"], (0.5, 0.5, 0.5)),
+    "SHARD_GRAD_OP": (["--strategy", "fsdp", "--fsdp.sharding_strategy", "SHARD_GRAD_OP"], (0.5, 0.5, 0.5)),
+    "NO_SHARD": (["--strategy", "fsdp", "--fsdp.sharding_strategy", "NO_SHARD"], (1.0, 1.0, 1.0)),
+    "zero0": (["--strategy", "deepspeed", "--deepspeed.stage", "0"], (1.0, 1.0, 1.0)),
+    "zero2": (["--strategy", "deepspeed", "--deepspeed.stage", "2"], (1.0, 0.5, 0.75)),
+    "zero3": (["--strategy", "deepspeed", "--deepspeed.stage", "3"], (0.5, 0.5, 0.75)),
+}
+STATE_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, 2 micro-batches of 4, per job (computed once)."""
+    done = {}
+
+    def get(job):
+        if job not in done:
+            out = tmp_path_factory.mktemp(f"single-{job}")
+            run_cli(job, *COMMON, *JOBS[job][0], "--train.micro_batch_size", "4", "--out_dir", out)
+            done[job] = out
+        return done[job]
+
+    return get
+
+
+def state_bytes(out_dir):
+    return next(tuple(row[k] for k in STATE_KEYS) for row in read_metrics(out_dir) if "params_bytes" in row)
+
+
+def assert_same_training(single, sharded, job, fractions):
+    reference, distributed = step_losses(single), step_losses(sharded)
+    assert len(reference) == len(distributed) == 4
+    assert reference[-1] < reference[0]
+    for a, b in zip(reference, distributed):
+        assert abs(a - b) <= 1e-5 * abs(a), (reference, distributed)
+    # The exported weights (gathered from the shards) equal the single process's; Adam turns float
+    # reduction-order noise into ~1e-5 differences, far below one step's update (~lr = 3e-3).
+    weights = JOBS[job][1]
+    ours, theirs = load_file(sharded / weights), load_file(single / weights)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-3, atol=1e-4, msg=name)
+    for key, fraction, held, whole in zip(STATE_KEYS, fractions, state_bytes(sharded), state_bytes(single)):
+        assert abs(held - fraction * whole) <= 0.01 * whole, (key, held, whole, fraction)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("job", list(JOBS))
+def test_two_ranks_match_one_process(tmp_path, reference, job, layout):
+    flags, fractions = LAYOUTS[layout]
+    out = tmp_path / layout
+    run_cli(job, *COMMON, *JOBS[job][0], *flags, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", out)
+    assert_same_training(reference(job), out, job, fractions)
+    if layout == "NO_SHARD":
+        assert [r["replica_max_abs_diff"] for r in read_metrics(out) if "replica_max_abs_diff" in r] == [0.0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_hybrid_shard_two_nodes_match_one_process(tmp_path, reference, job):
+    """Two launches on 127.0.0.1 (node ranks 0 and 1) x 2 processes: shard inside a node, replicate across."""
+    out = tmp_path / "hybrid"
+    args = [
+        sys.executable, "-m", "litft", job, *COMMON, *JOBS[job][0], "--strategy", "fsdp", "--devices", "2",
+        "--num_nodes", "2", "--train.micro_batch_size", "2", "--out_dir", str(out),
+    ]
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(rank)),
+        )
+        for rank in (1, 0)
+    ]
+    logs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), logs[1][-3000:] + logs[0][-3000:]
+    assert_same_training(reference(job), out, job, (0.5, 0.5, 0.5))
+    # Replica groups (the two nodes) hold identical parameters after training.
+    assert [r["replica_max_abs_diff"] for r in read_metrics(out) if "replica_max_abs_diff" in r] == [0.0]
