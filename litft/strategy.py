@@ -199,6 +199,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         if self.layout.fsdp.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
+        # 4-bit base weights (QLoRA) are frozen and packed with their quantization state;
+        # they stay whole on every rank, everything else (adapters, norms, embeddings) is sharded.
+        options["ignored_params"] = {p for p in module.parameters() if type(p).__name__ == "Params4bit"} or None
         hf_model = module.hf_model
         for block in transformer_blocks(hf_model):
             module.materialize(block)  # one full block at a time, sharded right away

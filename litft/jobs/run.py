@@ -78,10 +78,6 @@ def check_flags(run: Run) -> None:
         raise LitftError("--train.log_interval must be at least 1")
     if run.quantize is not None and run.lora is None:
         raise LitftError("--quantize trains 4-bit weights only through LoRA adapters; use finetune_lora")
-    if run.quantize is not None and world > 1:
-        raise LitftError("--quantize runs on one process for now; use --devices 1 --num_nodes 1")
-    if run.quantize is not None and run.strategy in ("fsdp", "deepspeed"):
-        raise LitftError(f"--quantize with --strategy {run.strategy} is not supported yet; use --strategy auto on one device")
     if run.eval.score_samples and not hasattr(run.data, "prompted"):
         raise LitftError("--eval.score_samples needs instruction data (prompts with answers); set it to 0 for plain text")
 

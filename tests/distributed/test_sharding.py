@@ -24,6 +24,7 @@ COMMON = [
 JOBS = {
     "finetune_full": ([], "final/model.safetensors"),
     "finetune_lora": (["--lora_dropout", "0", "--lora_r", "4"], "final-adapter/adapter_model.safetensors"),
+    "qlora": (["--lora_dropout", "0", "--lora_r", "4", "--quantize", "bnb.nf4"], "final-adapter/adapter_model.safetensors"),
 }
 # Per rank, as a fraction of one process: (parameters, gradients, optimizer states).
 # ZeRO's optimizer states include its fp32 master copy of the partition: (2 + 1) / 2 of Adam's 2 states.
@@ -46,11 +47,15 @@ def reference(tmp_path_factory):
     def get(job):
         if job not in done:
             out = tmp_path_factory.mktemp(f"single-{job}")
-            run_cli(job, *COMMON, *JOBS[job][0], "--train.micro_batch_size", "4", "--out_dir", out)
+            run_cli(command(job), *COMMON, *JOBS[job][0], "--train.micro_batch_size", "4", "--out_dir", out)
             done[job] = out
         return done[job]
 
     return get
+
+
+def command(job):
+    return "finetune_lora" if job == "qlora" else job
 
 
 def state_bytes(out_dir):
@@ -71,11 +76,13 @@ def assert_same_training(single, sharded, job, fractions):
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-3, atol=1e-4, msg=name)
     for key, fraction, held, whole in zip(STATE_KEYS, fractions, state_bytes(sharded), state_bytes(single)):
+        if fraction is None:
+            continue
         assert abs(held - fraction * whole) <= 0.01 * whole, (key, held, whole, fraction)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("job", list(JOBS))
+@pytest.mark.parametrize("job", ["finetune_full", "finetune_lora"])
 def test_two_ranks_match_one_process(tmp_path, reference, job, layout):
     flags, fractions = LAYOUTS[layout]
     out = tmp_path / layout
@@ -85,13 +92,29 @@ def test_two_ranks_match_one_process(tmp_path, reference, job, layout):
         assert [r["replica_max_abs_diff"] for r in read_metrics(out) if "replica_max_abs_diff" in r] == [0.0]
 
 
+@pytest.mark.parametrize(
+    "flags, fractions",
+    [
+        (["--strategy", "ddp"], (1.0, 1.0, 1.0)),
+        # The 4-bit base stays whole on every rank (FSDP ignores it), so only adapters' states halve.
+        (["--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD"], (None, 0.5, 0.5)),
+        (["--strategy", "deepspeed", "--deepspeed.stage", "3"], (0.5, 0.5, 0.75)),
+    ],
+    ids=["ddp", "FULL_SHARD", "zero3"],
+)
+def test_qlora_on_two_ranks_matches_one_process(tmp_path, reference, flags, fractions):
+    out = tmp_path / "qlora"
+    run_cli("finetune_lora", *COMMON, *JOBS["qlora"][0], *flags, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", out)
+    assert_same_training(reference("qlora"), out, "qlora", fractions)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("job", list(JOBS))
+@pytest.mark.parametrize("job", ["finetune_full", "finetune_lora"])
 def test_hybrid_shard_two_nodes_match_one_process(tmp_path, reference, job):
     """Two launches on 127.0.0.1 (node ranks 0 and 1) x 2 processes: shard inside a node, replicate across."""
     out = tmp_path / "hybrid"

@@ -76,11 +76,6 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     assert not (tmp_path / "o").exists()
 
 
-def test_quantize_needs_lora_and_one_process(tmp_path, capsys):
-    code, err = run_main(["finetune_lora", *SMALL, "--out_dir", tmp_path, "--quantize", "bnb.nf4", "--devices", "2"], capsys)
-    assert code == 2 and "--quantize runs on one process" in err
-
-
 def test_empty_dataset_is_reported(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
