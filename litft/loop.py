@@ -144,10 +144,13 @@ def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainAr
 
         metrics = {"loss": loss_total / max(global_targets, 1), "lr": lr, "epoch": state.epoch, "tokens": state.tokens}
         if state.step == start_step + 1:
-            # What sharding saves: this rank's parameters, gradients (as they were before the
-            # step) and optimizer states, in bytes; logged once, they do not change.
+            # What sharding saves: bytes of parameters, gradients (as they were before the
+            # step) and optimizer states on the fullest rank; logged once, they do not change.
             held = model_state_bytes(fabric, module, optimizer)
-            metrics.update(params_bytes=held["params"], grads_bytes=grad_bytes, optimizer_bytes=held["optimizer"])
+            most = torch.tensor([held["params"], grad_bytes, held["optimizer"]], dtype=torch.float64, device=fabric.device)
+            if fabric.world_size > 1:  # the rank that holds the most is the one that runs out of memory
+                most = fabric.all_reduce(most, reduce_op="max")
+            metrics.update(zip(("params_bytes", "grads_bytes", "optimizer_bytes"), (int(v) for v in most.tolist())))
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         if state.step % train.log_interval == 0 or state.step == total_steps:
