@@ -203,9 +203,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         # they stay whole on every rank, everything else (adapters, norms, embeddings) is sharded.
         options["ignored_params"] = {p for p in module.parameters() if type(p).__name__ == "Params4bit"} or None
         hf_model = module.hf_model
-        for block in transformer_blocks(hf_model):
-            module.materialize(block)  # one full block at a time, sharded right away
-            fully_shard(block, **options)
+        units = transformer_blocks(hf_model)
+        embeddings, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
+        if head is not None and head.weight is not embeddings.weight:
+            # Untied vocabulary matrices are the largest pieces; as units of their own
+            # they are never full at the same time.
+            units += [embeddings, head]
+        for unit in units:
+            module.materialize(unit)  # one full unit at a time, sharded right away
+            fully_shard(unit, **options)
         module.materialize(module)
         fully_shard(hf_model, **options)
         return module

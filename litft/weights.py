@@ -143,37 +143,35 @@ class Materializer:
         ]
         if not pending:
             return
-        fresh = []
-        for kind, attr, meta in pending:
-            value = torch.empty(meta.shape, dtype=meta.dtype)
-            if kind == "_parameters":
-                value = nn.Parameter(value, requires_grad=meta.requires_grad)
-            for owner, owner_kind, owner_attr in self.owners[id(meta)]:
-                getattr(owner, owner_kind)[owner_attr] = value
-            fresh.append((kind, attr, self.names[id(meta)], value))
-
         name = checkpoint_name(module_name)
         persistent = {a for a in module._buffers if a not in module._non_persistent_buffers_set}
-        sources = []
-        for kind, attr, names, value in fresh:
+        fresh = []
+        for kind, attr, meta in pending:
+            names = self.names[id(meta)]
             from_checkpoint = self.weights is not None and not is_lora_tensor(names[0]) and (kind == "_parameters" or attr in persistent)
             key = self.weights.find(names) if from_checkpoint else None
             if from_checkpoint and key is None:
                 raise LitftError(
                     f"the checkpoint in {self.weights.folder} has no tensor for {names[0]}; it does not match this model's config"
                 )
-            sources.append(key)
-        if any(key is None for key in sources):
-            self._init(name, module, [value for _, _, _, value in fresh])
-        for key, (_, _, _, value) in zip(sources, fresh):
-            if key is None:
-                continue
-            stored = self.weights.get(key)
-            if stored.shape != value.shape:
-                raise LitftError(
-                    f"{key} in {self.weights.folder} has shape {tuple(stored.shape)}, the model expects {tuple(value.shape)}"
-                )
-            value.copy_(stored)
+            # safetensors hands out views of its file mapping; the parameter gets its own memory.
+            value = self._read(key, meta) if key is not None else torch.empty(meta.shape, dtype=meta.dtype)
+            if kind == "_parameters":
+                value = nn.Parameter(value, requires_grad=meta.requires_grad)
+            for owner, owner_kind, owner_attr in self.owners[id(meta)]:
+                getattr(owner, owner_kind)[owner_attr] = value
+            fresh.append((key, meta, value))
+        if any(key is None for key, _, _ in fresh):
+            self._init(name, module, [value for key, _, value in fresh if key is None])
+            for key, meta, value in fresh:
+                if key is not None:  # the module's init also touched these; the checkpoint wins
+                    value.data.copy_(self._read(key, meta))
+
+    def _read(self, key: str, meta: torch.Tensor) -> torch.Tensor:
+        stored = self.weights.get(key)
+        if stored.shape != meta.shape:
+            raise LitftError(f"{key} in {self.weights.folder} has shape {tuple(stored.shape)}, the model expects {tuple(meta.shape)}")
+        return stored.to(meta.dtype, copy=True)
 
     def _init(self, name: str, module: nn.Module, values: List[torch.Tensor]) -> None:
         """peft's adapter init for LoRA matrices, the model's own init for everything else."""

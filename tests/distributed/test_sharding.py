@@ -123,6 +123,21 @@ def test_fsdp_bf16_with_activation_checkpointing_tracks_fp32(tmp_path, reference
     assert all(t.dtype == torch.float32 for t in load_file(out / "final" / "model.safetensors").values())
 
 
+def test_pretrain_from_config_untied_fsdp_matches_one_process(tmp_path, tiny_dir):
+    """Random init (a pure function of seed and tensor name) and untied embeddings sharded as units of their own."""
+    import json
+
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["pretrain", tmp_path / "config.json", "--tokenizer", tiny_dir, *COMMON]
+    run_cli(*args, "--train.micro_batch_size", "4", "--out_dir", tmp_path / "single")
+    run_cli(*args, "--strategy", "fsdp", "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", tmp_path / "fsdp")
+    single, sharded = tmp_path / "single", tmp_path / "fsdp"
+    assert "lm_head.weight" in load_file(single / "final" / "model.safetensors")
+    assert_same_training(single, sharded, "finetune_full", (0.5, 0.5, 0.5))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
