@@ -182,6 +182,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         super(ModelParallelStrategy, self).setup_environment()
         self._setup_distributed()
         replicas, shard = self.layout.fsdp_mesh_shape()
+        if self.global_rank == 0 and self.layout.fsdp.sharding_strategy == "HYBRID_SHARD" and replicas == 1:
+            print(f"HYBRID_SHARD with one shard group of {shard} ranks: sharding as FULL_SHARD", flush=True)
         self._device_mesh = init_device_mesh(self.root_device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
 
     def _shard(self, module, mesh):
@@ -252,8 +254,13 @@ def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, world_size: int, pre
                 zero[key] = {"device": where, **({"nvme_path": str(args.nvme_path)} if where == "nvme" else {})}
         config = {**ours, "zero_optimization": zero}
     for section, enabled in (("bf16", precision.startswith("bf16")), ("fp16", precision.startswith("16"))):
-        if config.get(section, {}).get("enabled") == "auto" or (enabled and section not in config):
-            config[section] = {"enabled": enabled}
+        given = config.get(section, {}).get("enabled", "auto")
+        if given not in ("auto", enabled):
+            raise LitftError(
+                f"--deepspeed.config sets {section}.enabled to {str(given).lower()} but --precision is {precision}; "
+                f'set it to "auto" or change --precision'
+            )
+        config[section] = {**config.get(section, {}), "enabled": enabled}
     config.setdefault("zero_optimization", {"stage": 0})
     if config["zero_optimization"].get("stage", 0) == 0:
         config["gradient_clipping"] = 0.0  # litft clips stage 0 itself (see optimizer_step)
