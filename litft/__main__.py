@@ -4,9 +4,10 @@ import sys
 
 
 def parser_jobs():
+    from litft.convert import convert
     from litft.jobs import finetune_full, finetune_lora, pretrain
 
-    return {"pretrain": pretrain, "finetune_lora": finetune_lora, "finetune_full": finetune_full}
+    return {"pretrain": pretrain, "finetune_lora": finetune_lora, "finetune_full": finetune_full, "convert": convert}
 
 
 def configure_jsonargparse() -> None:

@@ -37,6 +37,12 @@ class TrainArgs:
     """Recompute activations in the backward pass: less memory, about a third more compute."""
     log_interval: int = 1
     """Log metrics every this many optimizer steps."""
+    save_interval: Optional[int] = 1000
+    """Write a resumable checkpoint to out_dir/checkpoints every this many optimizer steps (one is always written at the end; null: only then)."""
+    keep_checkpoints: int = 2
+    """Finished checkpoints kept in out_dir/checkpoints; older ones are deleted once a newer one is complete."""
+    record_sample_ids: bool = False
+    """Each rank writes the indices of the samples it trained on, per step, to out_dir/logs/samples/rank-N.jsonl (to audit data order across resumes)."""
 
 
 @dataclass

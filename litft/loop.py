@@ -1,10 +1,12 @@
 """THE training loop: every job hands ``fit`` a module, an optimizer and prepared data."""
 
+import json
 import math
 import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
@@ -85,13 +87,19 @@ class Progress:
             self.bar.close()
 
 
-def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainArgs, eval: EvalArgs, seed: int, tokenizer, total_steps: int, state: Optional[LoopState] = None) -> LoopState:
+def fit(
+    fabric, module, optimizer, scheduler, data: PreparedData, train: TrainArgs, eval: EvalArgs, seed: int, tokenizer, total_steps: int,
+    state: Optional[LoopState] = None, checkpointer=None, sample_log: Optional[Path] = None,
+) -> LoopState:
     """Train until the planned step count or the token budget is reached.
 
     Each step takes the rank's micro-batches of one global batch, counts the target
     tokens of the whole global batch (one all-reduce), and scales every micro-batch's
     summed loss by ``world_size / global_tokens``: after DDP averages the gradients,
     the step optimizes the exact token mean of the global batch, as one process would.
+
+    A resumed ``state`` continues at its (epoch, step): the sample order is a pure
+    function of them, so no batch is replayed or skipped.
     """
     state = state or LoopState()
     order = SampleOrder(
@@ -110,7 +118,11 @@ def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainAr
     while state.step < total_steps and (train.max_tokens is None or state.tokens < train.max_tokens):
         if state.epoch_step >= order.steps_per_epoch:
             state.epoch, state.epoch_step = state.epoch + 1, 0
-        micro = [collate([data.train[i] for i in idx], pad_id) for idx in order.micro_batches(state.epoch, state.epoch_step)]
+        indices = order.micro_batches(state.epoch, state.epoch_step)
+        if sample_log is not None:
+            with open(sample_log, "a") as f:
+                f.write(json.dumps({"step": state.step + 1, "epoch": state.epoch, "ids": [i for idx in indices for i in idx]}) + "\n")
+        micro = [collate([data.train[i] for i in idx], pad_id) for idx in indices]
         # One all-reduce before the step: loss-carrying tokens (for the scale), input tokens, samples.
         counts = torch.tensor(
             [sum(target_tokens(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro)],
@@ -170,7 +182,11 @@ def fit(fabric, module, optimizer, scheduler, data: PreparedData, train: TrainAr
         if eval.interval and state.step % eval.interval == 0 and state.step < total_steps:
             _validate_and_log(fabric, module, data, train, eval, tokenizer, state, progress, scoring=False)
             module.train()
+        if checkpointer is not None and checkpointer.due(state.step) and state.step < total_steps:
+            progress.message(f"step {state.step}: checkpoint {checkpointer.save(state)}")
 
+    if checkpointer is not None and checkpointer.last_saved != state.step:
+        progress.message(f"step {state.step}: checkpoint {checkpointer.save(state)}")
     if eval.final_validation:
         _validate_and_log(fabric, module, data, train, eval, tokenizer, state, progress, scoring=True)
     progress.close()

@@ -393,6 +393,11 @@ def numel(param) -> int:
     return getattr(param, "ds_numel", None) or param.numel()
 
 
+def full_shape(param) -> list:
+    """The whole parameter's shape, also for a DTensor shard or a ZeRO-3 partition."""
+    return list(getattr(param, "ds_shape", None) or param.shape)
+
+
 def replica_divergence(fabric, lm) -> Optional[float]:
     """Largest difference of any parameter between FSDP replica groups (HYBRID_SHARD, NO_SHARD); None without replicas."""
     if not is_fsdp(fabric) or fabric.strategy.device_mesh.shape[0] == 1:

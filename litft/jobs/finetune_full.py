@@ -25,6 +25,7 @@ def finetune_full(
     eval: EvalArgs = EvalArgs(interval=200, score_samples=0),
     seed: int = 42,
     overwrite: bool = False,
+    resume: Optional[str] = None,
 ) -> RunResult:
     """Train all weights of a causal LM on instruction data; the result lands in out_dir/final.
 
@@ -42,7 +43,8 @@ def finetune_full(
         train: Batch, schedule and run length.
         eval: Validation cadence and scoring.
         seed: Seeds the weights of new layers, the data order and dropout.
-        overwrite: Replace the final model and logs of an earlier litft run in out_dir (nothing else there is touched).
+        overwrite: Replace the final model, logs and checkpoints of an earlier litft run in out_dir (nothing else there is touched).
+        resume: Continue from a checkpoint: "auto" takes the newest finished one in out_dir (or starts afresh if there is none), or a checkpoint folder's path.
     """
     arguments = dict(locals())  # the flags as given: recorded in run_config.yaml
     return execute(make_run("finetune_full", arguments))

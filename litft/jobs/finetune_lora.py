@@ -30,6 +30,7 @@ def finetune_lora(
     eval: EvalArgs = EvalArgs(interval=200, score_samples=0),
     seed: int = 42,
     overwrite: bool = False,
+    resume: Optional[str] = None,
 ) -> RunResult:
     """Train LoRA adapters on a frozen causal LM; out_dir/final-adapter holds them, out_dir/final the merged model.
 
@@ -52,7 +53,8 @@ def finetune_lora(
         train: Batch, schedule and run length.
         eval: Validation cadence and scoring.
         seed: Seeds the adapters' init, the data order and dropout.
-        overwrite: Replace the final model and logs of an earlier litft run in out_dir (nothing else there is touched).
+        overwrite: Replace the final model, logs and checkpoints of an earlier litft run in out_dir (nothing else there is touched).
+        resume: Continue from a checkpoint: "auto" takes the newest finished one in out_dir (or starts afresh if there is none), or a checkpoint folder's path.
     """
     arguments = dict(locals())  # the flags as given: recorded in run_config.yaml
     from litft.lora import apply_lora

@@ -27,6 +27,7 @@ def pretrain(
     eval: EvalArgs = EvalArgs(interval=200),
     seed: int = 42,
     overwrite: bool = False,
+    resume: Optional[str] = None,
 ) -> RunResult:
     """Pretrain a causal LM on text, from random weights or from a checkpoint's weights.
 
@@ -46,7 +47,8 @@ def pretrain(
         train: Batch, schedule and run length.
         eval: Validation cadence.
         seed: Seeds the initial weights, the data order and dropout.
-        overwrite: Replace the final model and logs of an earlier litft run in out_dir (nothing else there is touched).
+        overwrite: Replace the final model, logs and checkpoints of an earlier litft run in out_dir (nothing else there is touched).
+        resume: Continue from a checkpoint: "auto" takes the newest finished one in out_dir (or starts afresh if there is none), or a checkpoint folder's path.
     """
     arguments = dict(locals())  # the flags as given: recorded in run_config.yaml
     from litft.data.tiny import TinyTasks

@@ -46,6 +46,7 @@ class Run:
     tokenizer: Optional[str] = None
     lora: Optional[LoraSpec] = None
     quantize: Optional[str] = None
+    resume: Optional[str] = None
     cli_config: dict = field(default_factory=dict)
 
 
@@ -78,6 +79,12 @@ def check_flags(run: Run) -> None:
         raise LitftError("--train.log_interval must be at least 1")
     if run.quantize is not None and run.lora is None:
         raise LitftError("--quantize trains 4-bit weights only through LoRA adapters; use finetune_lora")
+    if train.save_interval is not None and train.save_interval < 1:
+        raise LitftError("--train.save_interval must be at least 1 (or null to save only at the end)")
+    if train.keep_checkpoints < 1:
+        raise LitftError("--train.keep_checkpoints must be at least 1")
+    if run.resume is not None and run.overwrite:
+        raise LitftError("--overwrite true deletes the checkpoints that --resume continues from; pass only one of them")
     if run.eval.score_samples and not hasattr(run.data, "prompted"):
         raise LitftError("--eval.score_samples needs instruction data (prompts with answers); set it to 0 for plain text")
 
@@ -86,7 +93,7 @@ RUN_MARKER = "run_config.yaml"
 
 
 def check_out_dir(run: Run) -> None:
-    """Refuse an out_dir with files in it, unless it is an earlier litft run and --overwrite was given."""
+    """Refuse an out_dir with files in it, unless it is an earlier litft run and --overwrite or --resume was given."""
     out = run.out_dir
     if out.exists() and not out.is_dir():
         raise LitftError(f"--out_dir {out} is a file; choose a folder")
@@ -94,10 +101,12 @@ def check_out_dir(run: Run) -> None:
         return
     if not (out / RUN_MARKER).is_file():
         raise LitftError(f"--out_dir {out} holds files that litft did not write; choose another --out_dir")
+    if run.resume is not None:
+        return  # continuing the run that is there
     if not run.overwrite:
-        raise LitftError(f"--out_dir {out} already holds a run; choose another --out_dir or pass --overwrite true")
+        raise LitftError(f"--out_dir {out} already holds a run; choose another --out_dir, pass --resume auto to continue it or --overwrite true")
     # Only what a litft run writes is replaced; anything else the user put there stays.
-    for name in ("final", "final-adapter", "logs"):
+    for name in ("final", "final-adapter", "logs", "checkpoints"):
         shutil.rmtree(out / name, ignore_errors=True)
 
 
@@ -161,6 +170,7 @@ def on_rank_zero(fabric, fn: Callable, stage: str) -> None:
 
 def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     """The single path every job takes, from flags to an exported model."""
+    from litft.checkpoint import resolve_resume
     from litft.loop import fit, plan_steps
     from litft.model import load_tokenizer, resolve_model
     from litft.strategy import (
@@ -181,11 +191,12 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     def prepare():
         if fabric.global_rank == 0:
             check_out_dir(run)
+        resume_from = resolve_resume(run.resume, run.out_dir)
         source = resolve_model(run.model)
         tokenizer = load_tokenizer(resolve_model(run.tokenizer) if run.tokenizer else source)
-        return source, tokenizer, run.data.load_or_tokenize(tokenizer, run.seed)
+        return source, tokenizer, run.data.load_or_tokenize(tokenizer, run.seed), resume_from
 
-    source, tokenizer, data = rank_zero_first(fabric, prepare, "loading the tokenizer and data")
+    source, tokenizer, data, resume_from = rank_zero_first(fabric, prepare, "loading the tokenizer and data")
 
     def record_config():
         run.out_dir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +221,25 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
         f"{sum(numel(p) for p in model.parameters() if p.requires_grad):,} trained; "
         f"{len(data.train)} train / {len(data.val)} val samples; world size {fabric.world_size}; precision {precision}"
     )
-    state = fit(fabric, module, optimizer, scheduler, data, run.train, run.eval, run.seed, tokenizer, total_steps)
+    checkpointer = make_checkpointer(run, fabric, lm, optimizer, scheduler, len(data.train))
+    state = None
+    if resume_from is not None:
+        error = None
+        try:
+            checkpointer.check_fits(resume_from)
+        except LitftError as err:
+            error = err
+        agree_on_failure(fabric, error, "checking the checkpoint to resume from")
+        state = checkpointer.load(resume_from)
+        fabric.print(f"resumed from {resume_from}: step {state.step} of {total_steps}, {state.tokens:,} tokens seen")
+    sample_log = None
+    if run.train.record_sample_ids:
+        sample_log = run.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
+        sample_log.parent.mkdir(parents=True, exist_ok=True)
+    state = fit(
+        fabric, module, optimizer, scheduler, data, run.train, run.eval, run.seed, tokenizer, total_steps,
+        state=state, checkpointer=checkpointer, sample_log=sample_log,
+    )
 
     from litft.export import export_final
 
@@ -234,6 +263,31 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
         fabric.print(f"task score (exact match on {n} held-out prompts): {scores[0]:.3f} before, {scores[-1]:.3f} after")
     fabric.print(f"{run.job} finished {state.step} steps in {time.perf_counter() - started:.0f} s; model in {final_dir}")
     return RunResult(model=lm.model, history=state.history, out_dir=run.out_dir, final_dir=final_dir)
+
+
+def make_checkpointer(run: Run, fabric, lm, optimizer, scheduler, num_train: int):
+    """Saves and loads this run's checkpoints; ``meta`` is what a checkpoint must agree with to be resumed."""
+    from litft.checkpoint import FORMAT_VERSION, Checkpointer, model_fingerprint, trained_shapes
+    from litft.strategy import is_deepspeed
+
+    deepspeed = is_deepspeed(fabric)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "job": run.job,
+        "model": run.model,
+        "quantize": run.quantize,
+        "format": "deepspeed" if deepspeed else "dcp",
+        "strategy": run.strategy,
+        "zero_stage": fabric.strategy.config["zero_optimization"].get("stage", 0) if deepspeed else None,
+        "model_fingerprint": model_fingerprint(lm.hf_model.config),
+        "trained_shapes": trained_shapes(lm),
+        "global_batch_size": run.train.global_batch_size,
+        "num_train_samples": num_train,
+        "seed": run.seed,
+    }
+    return Checkpointer(
+        fabric, lm, optimizer, scheduler, run.out_dir, run.train.save_interval, run.train.keep_checkpoints, meta, run.cli_config
+    )
 
 
 def layout_of(run: Run):
@@ -282,14 +336,14 @@ def quiet_libraries() -> None:
 
 COMMON_FIELDS = (
     "model", "data", "out_dir", "precision", "devices", "num_nodes", "strategy", "accelerator", "seed", "overwrite", "train", "eval",
-    "fsdp", "deepspeed",
+    "fsdp", "deepspeed", "resume",
 )
 
 
 def make_run(job: str, arguments: dict, **job_fields) -> Run:
     """A Run from a job function's own arguments (its ``locals()``), plus what only that job sets.
 
-    The arguments, minus ``overwrite``, are also what ``run_config.yaml`` records.
+    The arguments, minus ``overwrite`` and ``resume``, are also what ``run_config.yaml`` records.
     """
     from litft.data.tiny import TinyTasks
 
@@ -297,7 +351,7 @@ def make_run(job: str, arguments: dict, **job_fields) -> Run:
     default_data = job_fields.pop("default_data", None)
     if arguments["data"] is None:
         arguments["data"] = default_data or TinyTasks()
-    recorded = config_of(**{k: v for k, v in arguments.items() if k != "overwrite"})
+    recorded = config_of(**{k: v for k, v in arguments.items() if k not in ("overwrite", "resume")})
     common = {name: arguments[name] for name in COMMON_FIELDS}
     common.update({k: v for k, v in job_fields.items() if k in common})
     extra = {k: v for k, v in job_fields.items() if k not in common}

@@ -1,0 +1,210 @@
+"""``litft convert``: a training checkpoint becomes a Hugging Face folder, one transformer block at a time.
+
+A DCP checkpoint stores every trained tensor by name, so each block's tensors can
+be read on their own, merged with their LoRA adapters, written to their own
+safetensors file and dropped before the next block is read: the export never
+holds more than one block, however large the model and however many ranks wrote
+the checkpoint. Frozen base weights (LoRA) are read tensor by tensor from the
+model the run started from.
+"""
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Dict, Iterable, List, Literal, Optional
+
+import torch
+
+from litft.errors import LitftError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ADAPTER_KEY = re.compile(r"\.(lora_[AB])\.default\.weight$")
+
+
+# ---------------------------------------------------------------- trained tensors, by name
+
+
+class TrainedTensors:
+    """The tensors a checkpoint trained, named as in the training model (peft names under LoRA)."""
+
+    def __init__(self, checkpoint: Path, meta: dict):
+        self.checkpoint = checkpoint
+        self.whole: Optional[Dict[str, torch.Tensor]] = None
+        if meta["format"] == "deepspeed":
+            self.whole = _deepspeed_fp32_state(checkpoint)
+            self.shapes = {k: (tuple(v.shape), v.dtype) for k, v in self.whole.items()}
+        else:
+            from litft.checkpoint import safe_reader
+
+            stored = safe_reader(checkpoint / "model").read_metadata().state_dict_metadata
+            self.shapes = {
+                k.removeprefix("model."): (tuple(v.size), v.properties.dtype)
+                for k, v in stored.items()
+                if k.startswith("model.") and hasattr(v, "properties")
+            }
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        names = [n for n in names if n in self.shapes]
+        if self.whole is not None:
+            return {n: self.whole[n] for n in names}
+        if not names:
+            return {}
+        import torch.distributed.checkpoint as dcp
+
+        from litft.checkpoint import safe_reader
+
+        wanted = {n: torch.empty(self.shapes[n][0], dtype=self.shapes[n][1]) for n in names}
+        dcp.load({"model": wanted}, storage_reader=safe_reader(self.checkpoint / "model"), no_dist=True)
+        return wanted
+
+
+def _deepspeed_fp32_state(checkpoint: Path) -> Dict[str, torch.Tensor]:
+    """DeepSpeed's consolidation of its ZeRO partitions into whole fp32 tensors (the whole trained state at once)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from litft.checkpoint import deepspeed_safe_loading
+
+    with deepspeed_safe_loading():
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="deepspeed")
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+# ---------------------------------------------------------------- the export
+
+
+def block_groups(hf_model) -> List[List[str]]:
+    """The model's parameter names, one list per transformer block, then one for everything else."""
+    from litft.weights import transformer_blocks
+
+    module_names = {id(m): n for n, m in hf_model.named_modules()}
+    prefixes = [module_names[id(b)] + "." for b in transformer_blocks(hf_model)]
+    groups: List[List[str]] = [[] for _ in prefixes] + [[]]
+    for name, _ in hf_model.named_parameters():  # a tied weight once, under its first name
+        index = next((i for i, p in enumerate(prefixes) if name.startswith(p)), len(prefixes))
+        groups[index].append(name)
+    return [g for g in groups if g]
+
+
+def convert(
+    checkpoint: Path,
+    out_dir: Optional[Path] = None,
+    merge_lora: bool = True,
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
+) -> Path:
+    """Write a training checkpoint as a Hugging Face model folder (safetensors, config, tokenizer).
+
+    Args:
+        checkpoint: A checkpoint folder (<out_dir>/checkpoints/step-N) or a run's out_dir (its newest checkpoint).
+        out_dir: Where the Hugging Face folder goes (default: <checkpoint>-hf); it must not exist yet or be empty.
+        merge_lora: LoRA runs: fold the adapters into the base weights (true), or write only the adapter as a peft folder (false).
+        dtype: float32, bfloat16 or float16 (default: the dtype the weights were trained in).
+    """
+    import yaml
+
+    from litft.checkpoint import read_meta, resolve_resume
+
+    path = resolve_resume(str(checkpoint), Path(checkpoint))
+    meta = read_meta(path)
+    run_config = yaml.safe_load((path / "run_config.yaml").read_text())
+    target = Path(out_dir) if out_dir is not None else path.parent / f"{path.name}-hf"
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise LitftError(f"--out_dir {target} already holds files; choose a new folder")
+    staging = target.parent / f".{target.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        lora = meta["job"] == "finetune_lora"
+        if lora and not merge_lora:
+            _write_adapter(path, meta, run_config, staging, dtype)
+        else:
+            _write_model(path, meta, run_config, staging, dtype, lora)
+        if target.exists():
+            target.rmdir()
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"converted {path} to {target}")
+    return target
+
+
+def _write_model(path: Path, meta: dict, run_config: dict, staging: Path, dtype: Optional[str], lora: bool) -> None:
+    from safetensors.torch import save_file
+
+    from litft.model import load_config, load_tokenizer, resolve_model
+    from litft.weights import CheckpointWeights, locate_checkpoint, skeleton
+
+    source = resolve_model(meta["model"])
+    config = load_config(source)
+    trained = TrainedTensors(path, meta)
+    out_dtype = DTYPES[dtype] if dtype else next(iter(trained.shapes.values()))[1]
+    # Frozen base weights come from the model the run started from (LoRA; a full run trains them all).
+    base = CheckpointWeights(locate_checkpoint(source)) if lora else None
+    scale = run_config["lora_alpha"] / run_config["lora_r"] if lora else 0.0
+    prefix = "base_model.model." if lora else ""
+    groups = block_groups(skeleton(config, out_dtype))
+    weight_map, total = {}, 0
+    for number, names in enumerate(groups, start=1):
+        block = _block_tensors(names, trained, base, prefix, scale, meta["job"])
+        file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+        block = {k: v.to(out_dtype).contiguous() for k, v in block.items()}
+        save_file(block, str(staging / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in block})
+        total += sum(v.numel() * v.element_size() for v in block.values())
+        del block  # the next block is read only now
+    (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    config.dtype = out_dtype
+    config.save_pretrained(staging)
+    generation = locate_checkpoint(source) / "generation_config.json"
+    if generation.is_file():
+        shutil.copy(generation, staging / generation.name)
+    load_tokenizer(resolve_model(run_config.get("tokenizer") or meta["model"])).save_pretrained(staging)
+
+
+def _block_tensors(names: List[str], trained: TrainedTensors, base, prefix: str, scale: float, job: str) -> Dict[str, torch.Tensor]:
+    """One block's weights under their Hugging Face names, adapters folded in: W + (alpha / r) * B @ A."""
+    adapters = {}
+    for name in names:
+        module = name.rsplit(".", 1)[0]
+        adapters[name] = (f"{prefix}{module}.lora_A.default.weight", f"{prefix}{module}.lora_B.default.weight")
+    wanted = [prefix + n for n in names] + [k for pair in adapters.values() for k in pair]
+    values = trained.read(wanted)
+    block = {}
+    for name in names:
+        if prefix + name in values:
+            block[name] = values[prefix + name]
+        elif base is not None and base.find([name]) is not None:
+            block[name] = base.get(base.find([name])).clone()
+        else:
+            raise LitftError(f"the checkpoint has no tensor for {name}; it was not written by a {job} run of this model")
+        a_key, b_key = adapters[name]
+        if name.endswith(".weight") and a_key in values:
+            delta = values[b_key].float() @ values[a_key].float()
+            block[name] = (block[name].float() + scale * delta).to(block[name].dtype)
+    return block
+
+
+def _write_adapter(path: Path, meta: dict, run_config: dict, staging: Path, dtype: Optional[str]) -> None:
+    """The LoRA adapter alone, as the peft folder that ``PeftModel.from_pretrained`` reads."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from litft.model import load_tokenizer, resolve_model
+
+    trained = TrainedTensors(path, meta)
+    tensors = trained.read([n for n in trained.shapes if ADAPTER_KEY.search(n)])
+    out_dtype = DTYPES[dtype] if dtype else None
+    saved = {ADAPTER_KEY.sub(r".\1.weight", k): (v.to(out_dtype) if out_dtype else v).contiguous() for k, v in tensors.items()}
+    targets = sorted({k.removesuffix(".lora_A.default.weight").rsplit(".", 1)[-1] for k in tensors if ".lora_A." in k})
+    LoraConfig(
+        r=run_config["lora_r"], lora_alpha=run_config["lora_alpha"], lora_dropout=run_config["lora_dropout"],
+        target_modules=targets, task_type="CAUSAL_LM", bias="none", base_model_name_or_path=meta["model"],
+    ).save_pretrained(str(staging))
+    save_file(saved, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
+    load_tokenizer(resolve_model(run_config.get("tokenizer") or meta["model"])).save_pretrained(staging)
