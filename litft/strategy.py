@@ -7,6 +7,7 @@ which is where DDP, FSDP2 and DeepSpeed differ.
 
 import json
 import os
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,15 +139,63 @@ def make_strategy(layout: Parallelism, accelerator: str, precision: str, train: 
     return DDPStrategy(process_group_backend=backend)
 
 
+# Said by Lightning's CSV logger whenever logs/ has files; ours keeps them (see below).
+warnings.filterwarnings("ignore", message=".*Experiment logs directory .* exists and is not empty.*")
+
+
+def _continuing_csv_logger():
+    from lightning.fabric.loggers import CSVLogger
+
+    class ContinuingCSVLogger(CSVLogger):
+        """Lightning's CSV logger, except that a resumed run continues the earlier run's metrics.csv.
+
+        Lightning deletes an existing file; here its rows up to the resumed step are kept
+        (later ones were logged by the run that died after its last checkpoint).
+        """
+
+        resumed_step: Optional[int] = None
+
+        @property
+        def experiment(self):
+            if self._experiment is not None:
+                return self._experiment
+            import csv
+
+            previous = Path(self.log_dir) / "metrics.csv"
+            rows, keys = [], []
+            if self.resumed_step is not None and previous.is_file():
+                with open(previous, newline="") as f:
+                    reader = csv.DictReader(f)
+                    keys = list(reader.fieldnames or [])
+                    rows = [r for r in reader if r.get("step") and int(float(r["step"])) <= self.resumed_step]
+            writer = super().experiment
+            if rows and hasattr(writer, "metrics_keys"):
+                with open(previous, "w", newline="") as f:
+                    out = csv.DictWriter(f, fieldnames=keys)
+                    out.writeheader()
+                    out.writerows(rows)
+                writer.metrics_keys = keys
+            return writer
+
+    return ContinuingCSVLogger
+
+
+def continue_logs(fabric, step: int) -> None:
+    """Tell the CSV logger that this run resumes after ``step`` (before anything is logged)."""
+    for logger in fabric.loggers:
+        if hasattr(logger, "resumed_step"):
+            logger.resumed_step = step
+
+
 def build_fabric(*, accelerator: str, layout: Parallelism, precision: str, train: TrainArgs, out_dir: Optional[Path]):
     """A Fabric with CSV and TensorBoard loggers under ``out_dir/logs``."""
     import lightning as L
-    from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+    from lightning.fabric.loggers import TensorBoardLogger
 
     loggers = []
     if out_dir is not None:
         loggers = [
-            CSVLogger(root_dir=str(out_dir), name="logs", version="csv", flush_logs_every_n_steps=1),
+            _continuing_csv_logger()(root_dir=str(out_dir), name="logs", version="csv", flush_logs_every_n_steps=1),
             TensorBoardLogger(root_dir=str(out_dir), name="logs", version="tensorboard"),
         ]
     return L.Fabric(

@@ -174,7 +174,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     from litft.loop import fit, plan_steps
     from litft.model import load_tokenizer, resolve_model
     from litft.strategy import (
-        build_fabric, full_state_dict, is_fsdp, numel, param_dtype, replica_divergence, resolve_accelerator,
+        build_fabric, continue_logs, full_state_dict, is_fsdp, numel, param_dtype, replica_divergence, resolve_accelerator,
         resolve_precision, setup_training,
     )
 
@@ -231,6 +231,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
             error = err
         agree_on_failure(fabric, error, "checking the checkpoint to resume from")
         state = checkpointer.load(resume_from)
+        continue_logs(fabric, state.step)
         fabric.print(f"resumed from {resume_from}: step {state.step} of {total_steps}, {state.tokens:,} tokens seen")
     sample_log = None
     if run.train.record_sample_ids:

@@ -1,0 +1,122 @@
+"""Resuming sharded runs in real gloo processes: same topology, 4 -> 2 -> 1 ranks, FULL_SHARD -> HYBRID_SHARD, DeepSpeed ZeRO-3."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.conftest import read_metrics, run_cli
+
+COMMON = [
+    "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8",
+    "--train.global_batch_size", "8", "--train.max_steps", "6", "--train.learning_rate", "3e-3",
+    "--train.warmup_steps", "1", "--train.save_interval", "2", "--train.keep_checkpoints", "3", "--train.record_sample_ids", "true",
+    "--eval.interval", "0", "--eval.max_batches", "1", "--eval.initial_validation", "false",
+    "--precision", "32-true", "--accelerator", "cpu",
+]
+FULL_SHARD = ["--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD"]
+
+
+def losses(out_dir):
+    return {int(r["step"]): r["loss"] for r in read_metrics(out_dir) if "loss" in r}
+
+
+def checkpoint(out_dir, step):
+    return out_dir / "checkpoints" / f"step-{step:08d}"
+
+
+def samples_by_step(out_dir):
+    """Every rank's record of the samples it trained on: step -> sample ids (all ranks together)."""
+    steps = {}
+    for file in sorted((out_dir / "logs" / "samples").glob("rank-*.jsonl")):
+        for line in file.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(record["step"], []).extend(record["ids"])
+    return steps
+
+
+def assert_close_losses(expected, got, steps):
+    for step in steps:
+        assert abs(expected[step] - got[step]) <= 1e-5 * abs(expected[step]), (step, expected, got)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """FULL_SHARD on 4 ranks, 6 steps, checkpoints at 2, 4 and 6: the uninterrupted reference."""
+    out = tmp_path_factory.mktemp("fsdp4") / "run"
+    run_cli("finetune_full", *COMMON, *FULL_SHARD, "--devices", "4", "--train.micro_batch_size", "2", "--out_dir", out)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]
+    assert len(list((checkpoint(out, 2) / "model").glob("*.distcp"))) == 4  # one shard file per rank
+    return out
+
+
+def test_fsdp_resume_on_four_ranks(four_ranks, tmp_path):
+    out = tmp_path / "again"
+    run_cli("finetune_full", *COMMON, *FULL_SHARD, "--devices", "4", "--train.micro_batch_size", "2", "--out_dir", out,
+            "--resume", checkpoint(four_ranks, 4))
+    assert sorted(losses(out)) == [5, 6]
+    assert_close_losses(losses(four_ranks), losses(out), [5, 6])
+
+
+def test_topology_change_4_to_2_to_1_sees_every_sample_once(four_ranks, tmp_path):
+    """4 ranks (FULL_SHARD) -> 2 ranks (HYBRID_SHARD, 2 replicas) -> 1 process, from the same data position."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    run_cli("finetune_full", *COMMON, "--strategy", "fsdp", "--fsdp.sharding_strategy", "HYBRID_SHARD", "--fsdp.shard_size", "1",
+            "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", two, "--resume", checkpoint(four_ranks, 2))
+    meta = json.loads((checkpoint(two, 4) / "meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["step"] == 4
+    run_cli("finetune_full", *COMMON, "--train.micro_batch_size", "8", "--out_dir", one, "--resume", checkpoint(two, 4))
+
+    reference = losses(four_ranks)
+    assert_close_losses(reference, losses(two), [3, 4, 5, 6])
+    assert_close_losses(reference, losses(one), [5, 6])
+    # Sample accounting, from what each rank recorded it trained on.
+    whole = samples_by_step(four_ranks)
+    chained = {s: ids for s, ids in samples_by_step(four_ranks).items() if s <= 2}
+    chained.update({s: ids for s, ids in samples_by_step(two).items() if s in (3, 4)})
+    chained.update(samples_by_step(one))
+    assert sorted(chained) == list(range(1, 7))
+    for step in range(1, 7):
+        assert sorted(chained[step]) == sorted(whole[step]) and len(set(chained[step])) == 8, step
+    seen = Counter(i for ids in chained.values() for i in ids)
+    assert max(seen.values()) == 1 and len(seen) == 48  # one epoch of 64: none twice, none skipped
+
+
+def test_convert_fsdp_checkpoint_matches_training_export(four_ranks, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from litft.convert import convert
+
+    converted = convert(checkpoint(four_ranks, 6), out_dir=tmp_path / "hf")
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = AutoModelForCausalLM.from_pretrained(converted).eval()(ids).logits
+        # final/ holds the weights gathered from the trained shards at the end of the run.
+        trained = AutoModelForCausalLM.from_pretrained(four_ranks / "final").eval()(ids).logits
+    torch.testing.assert_close(ours, trained, rtol=0, atol=1e-6)
+
+
+def test_deepspeed_zero3_lora_resume_and_convert(tmp_path):
+    args = [*COMMON, "--strategy", "deepspeed", "--deepspeed.stage", "3", "--lora_r", "4", "--lora_dropout", "0.1",
+            "--train.max_steps", "4", "--train.micro_batch_size", "2"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run_cli("finetune_lora", *args, "--devices", "2", "--out_dir", whole)
+    assert len(list((checkpoint(whole, 2) / "deepspeed").glob("*optim_states.pt"))) == 2
+    run_cli("finetune_lora", *args, "--devices", "2", "--out_dir", resumed, "--resume", checkpoint(whole, 2))
+    assert sorted(losses(resumed)) == [3, 4]
+    assert_close_losses(losses(whole), losses(resumed), [3, 4])
+
+    proc = run_cli("finetune_lora", *args, "--devices", "1", "--out_dir", tmp_path / "one", "--resume", checkpoint(whole, 2), check=False)
+    assert proc.returncode == 2 and "holds DeepSpeed ZeRO-3 partitions of 2 ranks; resume on 2 ranks" in proc.stderr.splitlines()[-1]
+
+    from safetensors.torch import load_file
+
+    from litft.convert import convert
+
+    adapter = convert(checkpoint(whole, 4), out_dir=tmp_path / "adapter", merge_lora=False)
+    exported = load_file(whole / "final-adapter" / "adapter_model.safetensors")
+    converted = load_file(adapter / "adapter_model.safetensors")
+    assert converted.keys() == exported.keys()
+    for name in exported:
+        torch.testing.assert_close(converted[name], exported[name], rtol=0, atol=1e-6)

@@ -1,0 +1,211 @@
+"""One process: k steps + resume + N-k steps equal N steps bitwise, for every job; convert round trips; bad checkpoints fail in one line."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from litft.args import EvalArgs, TrainArgs
+from litft.data import TextFiles, TinyTasks
+from litft.errors import LitftError
+from litft.jobs import finetune_full, finetune_lora, pretrain
+from tests.conftest import ROOT, read_metrics, run_cli, step_losses
+
+DATA = dict(num_train=64, num_val=8)
+EVAL = EvalArgs(interval=0, max_batches=1, initial_validation=False)
+
+
+def train_args(**overrides):
+    values = dict(global_batch_size=8, micro_batch_size=4, max_steps=6, learning_rate=3e-3, warmup_steps=1, save_interval=3)
+    values.update(overrides)
+    return TrainArgs(**values)
+
+
+def losses_by_step(out_dir):
+    return {int(r["step"]): r["loss"] for r in read_metrics(out_dir) if "loss" in r}
+
+
+def text_data(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text(" ".join(f"w{i % 37} x{i % 11}" for i in range(3000)))
+    return TextFiles(train_data_path=corpus, max_seq_length=32, val_split_fraction=0.0)
+
+
+JOBS = {
+    "finetune_full": lambda tmp, **kw: finetune_full(data=TinyTasks(**DATA), eval=EVAL, **kw),
+    # Dropout on: the resumed run must also continue the random stream.
+    "finetune_lora": lambda tmp, **kw: finetune_lora(data=TinyTasks(**DATA), eval=EVAL, lora_r=4, lora_dropout=0.1, **kw),
+    "qlora": lambda tmp, **kw: finetune_lora(data=TinyTasks(**DATA), eval=EVAL, lora_r=4, lora_dropout=0.1, quantize="bnb.nf4", **kw),
+}
+
+
+@pytest.mark.parametrize("job", [*JOBS, "pretrain"])
+def test_resume_equals_uninterrupted_bitwise(tmp_path, tiny_dir, job):
+    if job == "pretrain":
+        run = lambda tmp, **kw: pretrain(  # noqa: E731
+            model=str(tiny_dir / "config.json"), tokenizer=str(tiny_dir), data=text_data(tmp_path), eval=EVAL, **kw
+        )
+    else:
+        run = JOBS[job]
+    run(tmp_path, out_dir=tmp_path / "whole", train=train_args())
+    checkpoints = sorted(p.name for p in (tmp_path / "whole" / "checkpoints").iterdir())
+    assert checkpoints == ["step-00000003", "step-00000006"]
+    result = run(tmp_path, out_dir=tmp_path / "resumed", train=train_args(), resume=str(tmp_path / "whole" / "checkpoints" / "step-00000003"))
+    whole, resumed = losses_by_step(tmp_path / "whole"), losses_by_step(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6]
+    assert [resumed[s] for s in (4, 5, 6)] == [whole[s] for s in (4, 5, 6)]  # bitwise
+    meta = json.loads((tmp_path / "resumed" / "checkpoints" / "step-00000006" / "meta.json").read_text())
+    assert meta["step"] == 6 and meta["world_size"] == 1 and meta["epoch_step"] == 6
+    if job in ("finetune_lora", "qlora"):
+        # Only adapters are stored: the frozen base comes from the model the run started from.
+        assert all(".lora_" in name for name in meta["trained_shapes"])
+        assert result.history  # the resumed run trained
+
+
+def test_keep_last_and_resume_auto(tmp_path):
+    out = tmp_path / "run"
+    finetune_full(data=TinyTasks(**DATA), out_dir=out, eval=EVAL, train=train_args(max_steps=5, save_interval=1, keep_checkpoints=2))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000004", "step-00000005"]
+    # auto in the same out_dir continues from the newest (here: nothing left to train).
+    result = finetune_full(data=TinyTasks(**DATA), out_dir=out, eval=EVAL, train=train_args(max_steps=5, save_interval=1), resume="auto")
+    assert len([h for h in result.history if "loss" in h]) == 0
+    # auto with no checkpoint yet starts afresh.
+    finetune_full(data=TinyTasks(**DATA), out_dir=tmp_path / "fresh", eval=EVAL, train=train_args(max_steps=2), resume="auto")
+    assert sorted(losses_by_step(tmp_path / "fresh")) == [1, 2]
+
+
+def logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_convert_lora_merged_and_adapter_match_training_model(tmp_path, tiny_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from litft.convert import convert
+
+    result = finetune_lora(data=TinyTasks(**DATA), out_dir=tmp_path / "run", eval=EVAL, lora_r=4, lora_dropout=0.0, train=train_args(max_steps=3))
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected = logits(result.model, ids)
+    merged = convert(tmp_path / "run", out_dir=tmp_path / "merged")
+    files = sorted(p.name for p in merged.iterdir())
+    # One safetensors file per transformer block plus one for the rest: the export holds one block at a time.
+    assert len([f for f in files if f.endswith(".safetensors")]) == 5 and "model.safetensors.index.json" in files
+    assert {"config.json", "tokenizer.json"} <= set(files)
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(merged), ids), expected, rtol=1e-5, atol=1e-5)
+    adapter = convert(tmp_path / "run" / "checkpoints" / "step-00000003", out_dir=tmp_path / "adapter", merge_lora=False)
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), adapter)
+    torch.testing.assert_close(logits(with_adapter, ids), expected, rtol=1e-5, atol=1e-5)
+    half = convert(tmp_path / "run", out_dir=tmp_path / "bf16", dtype="bfloat16")
+    assert AutoModelForCausalLM.from_pretrained(half).dtype == torch.bfloat16
+    with pytest.raises(LitftError, match="already holds files"):
+        convert(tmp_path / "run", out_dir=tmp_path / "merged")
+
+
+def test_bad_checkpoints_fail_in_one_line(tmp_path, tiny_dir):
+    out = tmp_path / "full"
+    finetune_full(data=TinyTasks(**DATA), out_dir=out, eval=EVAL, train=train_args(max_steps=2, save_interval=1))
+    step1 = out / "checkpoints" / "step-00000001"
+    partial = out / "checkpoints" / ".step-00000009.partial"
+    shutil.copytree(step1, partial)
+    (partial / "meta.json").unlink()
+    cases = {
+        "no such checkpoint": dict(resume=str(tmp_path / "nowhere")),
+        "not a finished litft checkpoint .*newest finished one is .*step-00000002": dict(resume=str(partial)),
+        "resume with the same global batch": dict(resume=str(step1), train=train_args(global_batch_size=16)),
+        "deletes the checkpoints": dict(resume="auto", overwrite=True),
+    }
+    for expected, flags in cases.items():
+        flags.setdefault("train", train_args())
+        with pytest.raises(LitftError, match=expected):
+            finetune_full(data=TinyTasks(**DATA), out_dir=tmp_path / "x", eval=EVAL, **flags)
+    # Another job, from the command line: one line, no traceback.
+    proc = run_cli("finetune_lora", "--resume", step1, "--data", "TinyTasks", "--data.num_train", "64", "--accelerator", "cpu",
+                   "--out_dir", tmp_path / "lora", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"litft: error: checkpoint {step1} was written by finetune_full, not finetune_lora; resume it with litft finetune_full"
+    )
+    # Another model: same job and flags, different shapes.
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LitftError, match="belongs to another model .*num_hidden_layers 4 there, 2 here"):
+        pretrain(model=str(tmp_path / "other" / "config.json"), tokenizer=str(tiny_dir), data=TinyTasks(**DATA), out_dir=tmp_path / "y",
+                 eval=EVAL, train=train_args(), resume=str(_as_pretrain(step1)))
+
+
+def _as_pretrain(checkpoint):
+    """The same checkpoint, labelled as a pretrain run (only the model check then differs)."""
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["job"] = "pretrain"
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    return checkpoint
+
+
+def test_metadata_with_foreign_pickle_is_refused(tmp_path):
+    import pickle
+
+    from litft.checkpoint import safe_reader
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(LitftError, match="refusing to read its metadata .*posix.system"):
+        safe_reader(tmp_path).read_metadata()
+
+
+KILL_DURING_SAVE = """
+import sys, time
+import litft.checkpoint as checkpoint
+real_write = checkpoint._write_synced
+def slow_write(path, text):
+    if '"step": 4' in text:  # every rank's shards for step 4 are on disk, meta.json is not yet
+        print("SAVING-STEP-4", flush=True)
+        time.sleep(600)
+    real_write(path, text)
+checkpoint._write_synced = slow_write
+from litft.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+def test_kill_during_save_leaves_previous_checkpoint_resumable(tmp_path):
+    args = [
+        "finetune_full", "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8", "--train.global_batch_size", "8",
+        "--train.micro_batch_size", "4", "--train.max_steps", "6", "--train.learning_rate", "3e-3", "--train.warmup_steps", "1",
+        "--train.save_interval", "2", "--eval.interval", "0", "--eval.max_batches", "1", "--eval.initial_validation", "false",
+        "--precision", "32-true", "--accelerator", "cpu",
+    ]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILL_DURING_SAVE, *args, "--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    deadline = time.time() + 240
+    for line in proc.stdout:
+        if "SAVING-STEP-4" in line or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".step-00000004.partial", "step-00000002"]
+    assert (root / ".step-00000004.partial" / "model" / ".metadata").is_file()  # the shards were there, the commit was not
+
+    run_cli(*args, "--out_dir", out, "--resume", "auto")
+    run_cli(*args, "--out_dir", tmp_path / "whole")
+    whole, resumed = losses_by_step(tmp_path / "whole"), losses_by_step(out)
+    assert [resumed[s] for s in range(1, 7)] == [whole[s] for s in range(1, 7)]
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000004", "step-00000006"]
