@@ -258,6 +258,7 @@ class Checkpointer:
         self.meta = meta
         self.run_config = run_config
         self.last_saved: Optional[int] = None
+        self.last_path: Optional[Path] = None  # the newest finished checkpoint of this run
 
     @property
     def deepspeed(self) -> bool:
@@ -325,7 +326,7 @@ class Checkpointer:
 
         on_rank_zero(fabric, commit, f"finishing checkpoint {final}")
         fabric.barrier()
-        self.last_saved = state.step
+        self.last_saved, self.last_path = state.step, final
         return final
 
     def load(self, path: Path):
@@ -361,7 +362,7 @@ class Checkpointer:
         rng_file = path / "rng" / f"rank-{fabric.global_rank:05d}.pt"
         if rng_file.is_file():  # a rank that did not exist when it was written keeps its seeded generators
             set_rng_state(torch.load(rng_file, weights_only=True))
-        self.last_saved = meta["step"]
+        self.last_saved, self.last_path = meta["step"], Path(path)
         return LoopState(step=meta["step"], epoch=meta["epoch"], epoch_step=meta["epoch_step"], tokens=meta["tokens"], samples=meta["samples"])
 
 

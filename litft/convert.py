@@ -9,6 +9,7 @@ model the run started from.
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ import torch
 from litft.errors import LitftError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ADAPTER_KEY = re.compile(r"\.(lora_[AB])\.default\.weight$")
 
 
@@ -33,7 +35,7 @@ class TrainedTensors:
         self.checkpoint = checkpoint
         self.whole: Optional[Dict[str, torch.Tensor]] = None
         if meta["format"] == "deepspeed":
-            self.whole = _deepspeed_fp32_state(checkpoint)
+            self.whole = _deepspeed_state(checkpoint, meta["zero_stage"])
             self.shapes = {k: (tuple(v.shape), v.dtype) for k, v in self.whole.items()}
         else:
             from litft.checkpoint import safe_reader
@@ -63,14 +65,17 @@ class TrainedTensors:
         return wanted
 
 
-def _deepspeed_fp32_state(checkpoint: Path) -> Dict[str, torch.Tensor]:
-    """DeepSpeed's consolidation of its ZeRO partitions into whole fp32 tensors (the whole trained state at once)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
+def _deepspeed_state(checkpoint: Path, stage: int) -> Dict[str, torch.Tensor]:
+    """DeepSpeed's trained tensors, whole: ZeRO's fp32 partitions consolidated, or stage 0's module state as saved."""
     from litft.checkpoint import deepspeed_safe_loading
 
     with deepspeed_safe_loading():
-        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="deepspeed")
+        if stage == 0:
+            state = torch.load(checkpoint / "deepspeed" / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
+        else:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="deepspeed")
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
@@ -78,16 +83,16 @@ def _deepspeed_fp32_state(checkpoint: Path) -> Dict[str, torch.Tensor]:
 
 
 def block_groups(hf_model) -> List[List[str]]:
-    """The model's parameter names, one list per transformer block, then one for everything else."""
+    """The model's parameter names, one list per transformer block, then one per other module (embeddings, norm, head)."""
     from litft.weights import transformer_blocks
 
     module_names = {id(m): n for n, m in hf_model.named_modules()}
     prefixes = [module_names[id(b)] + "." for b in transformer_blocks(hf_model)]
-    groups: List[List[str]] = [[] for _ in prefixes] + [[]]
+    groups: Dict[str, List[str]] = {p: [] for p in prefixes}
     for name, _ in hf_model.named_parameters():  # a tied weight once, under its first name
-        index = next((i for i, p in enumerate(prefixes) if name.startswith(p)), len(prefixes))
-        groups[index].append(name)
-    return [g for g in groups if g]
+        owner = next((p for p in prefixes if name.startswith(p)), name.rsplit(".", 1)[0])
+        groups.setdefault(owner, []).append(name)
+    return [g for g in groups.values() if g]
 
 
 def convert(
@@ -95,6 +100,7 @@ def convert(
     out_dir: Optional[Path] = None,
     merge_lora: bool = True,
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
+    max_shard_gb: float = 5.0,
 ) -> Path:
     """Write a training checkpoint as a Hugging Face model folder (safetensors, config, tokenizer).
 
@@ -103,38 +109,47 @@ def convert(
         out_dir: Where the Hugging Face folder goes (default: <checkpoint>-hf); it must not exist yet or be empty.
         merge_lora: LoRA runs: fold the adapters into the base weights (true), or write only the adapter as a peft folder (false).
         dtype: float32, bfloat16 or float16 (default: the dtype the weights were trained in).
+        max_shard_gb: Largest safetensors file; bigger models get several and an index, as on the hub.
     """
-    import yaml
-
-    from litft.checkpoint import read_meta, resolve_resume
+    from litft.checkpoint import resolve_resume
 
     path = resolve_resume(str(checkpoint), Path(checkpoint))
-    meta = read_meta(path)
-    run_config = yaml.safe_load((path / "run_config.yaml").read_text())
     target = Path(out_dir) if out_dir is not None else path.parent / f"{path.name}-hf"
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise LitftError(f"--out_dir {target} already holds files; choose a new folder")
-    staging = target.parent / f".{target.name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
+    export(path, target, merge_lora=merge_lora, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
+    print(f"converted {path} to {target}")
+    return target
+
+
+def export(path: Path, target: Path, merge_lora: bool = True, dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write ``target`` beside itself under a temporary name, then swap it in: a crash leaves any earlier one whole."""
+    import yaml
+
+    from litft.checkpoint import read_meta
+
+    meta = read_meta(path)
+    run_config = yaml.safe_load((path / "run_config.yaml").read_text())
+    staging, old = target.parent / f".{target.name}.partial", target.parent / f".{target.name}.old"
+    for leftover in (staging, old):
+        shutil.rmtree(leftover, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         lora = meta["job"] == "finetune_lora"
         if lora and not merge_lora:
             _write_adapter(path, meta, run_config, staging, dtype)
         else:
-            _write_model(path, meta, run_config, staging, dtype, lora)
+            _write_model(path, meta, run_config, staging, dtype, lora, max_shard_bytes)
         if target.exists():
-            target.rmdir()
+            os.rename(target, old)
         os.rename(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    print(f"converted {path} to {target}")
     return target
 
 
-def _write_model(path: Path, meta: dict, run_config: dict, staging: Path, dtype: Optional[str], lora: bool) -> None:
-    from safetensors.torch import save_file
-
+def _write_model(path: Path, meta: dict, run_config: dict, staging: Path, dtype: Optional[str], lora: bool, max_shard_bytes: int) -> None:
     from litft.model import load_config, load_tokenizer, resolve_model
     from litft.weights import CheckpointWeights, locate_checkpoint, skeleton
 
@@ -146,17 +161,20 @@ def _write_model(path: Path, meta: dict, run_config: dict, staging: Path, dtype:
     base = CheckpointWeights(locate_checkpoint(source)) if lora else None
     scale = run_config["lora_alpha"] / run_config["lora_r"] if lora else 0.0
     prefix = "base_model.model." if lora else ""
-    groups = block_groups(skeleton(config, out_dtype))
-    weight_map, total = {}, 0
-    for number, names in enumerate(groups, start=1):
-        block = _block_tensors(names, trained, base, prefix, scale, meta["job"])
-        file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
-        block = {k: v.to(out_dtype).contiguous() for k, v in block.items()}
-        save_file(block, str(staging / file), metadata={"format": "pt"})
-        weight_map.update({k: file for k in block})
-        total += sum(v.numel() * v.element_size() for v in block.values())
-        del block  # the next block is read only now
-    (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    model = skeleton(config, out_dtype)
+    shapes = dict((n, tuple(p.shape)) for n, p in model.named_parameters())
+    groups = block_groups(model)
+    used = set()
+    with SafetensorsWriter(staging, [(n, shapes[n]) for g in groups for n in g], out_dtype, max_shard_bytes) as writer:
+        for names in groups:
+            block, read = _block_tensors(names, trained, base, prefix, scale, meta["job"])
+            used |= read
+            for name in names:
+                writer.write(name, block[name])
+            del block  # the next block is read only now
+    left = sorted(set(meta["trained_shapes"]) - used)
+    if left:
+        raise LitftError(f"the checkpoint trained {left[0]}, which cannot be merged into the model; convert with --merge_lora false")
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
     config.dtype = out_dtype
@@ -167,8 +185,75 @@ def _write_model(path: Path, meta: dict, run_config: dict, staging: Path, dtype:
     load_tokenizer(resolve_model(run_config.get("tokenizer") or meta["model"])).save_pretrained(staging)
 
 
-def _block_tensors(names: List[str], trained: TrainedTensors, base, prefix: str, scale: float, job: str) -> Dict[str, torch.Tensor]:
-    """One block's weights under their Hugging Face names, adapters folded in: W + (alpha / r) * B @ A."""
+class SafetensorsWriter:
+    """Writes safetensors files tensor by tensor, in a planned order, without holding them all.
+
+    The format is an 8-byte little-endian header length, a JSON header giving each
+    tensor's dtype, shape and byte range, then the raw bytes; with every shape known
+    in advance the header can be written first and each tensor appended as it comes.
+    """
+
+    CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+    def __init__(self, folder: Path, plan: List[tuple], dtype: torch.dtype, max_shard_bytes: int):
+        self.folder, self.dtype = folder, dtype
+        size = torch.empty((), dtype=dtype).element_size()
+        self.files: List[List[tuple]] = [[]]
+        used = 0
+        for name, shape in plan:
+            nbytes = size * math.prod(shape)
+            if self.files[-1] and used + nbytes > max_shard_bytes:
+                self.files.append([])
+                used = 0
+            self.files[-1].append((name, shape, nbytes))
+            used += nbytes
+        self.total = sum(n for f in self.files for _, _, n in f)
+        self.file_names = (
+            ["model.safetensors"] if len(self.files) == 1
+            else [f"model-{i:05d}-of-{len(self.files):05d}.safetensors" for i in range(1, len(self.files) + 1)]
+        )
+        self.pending = [(i, name, shape) for i, f in enumerate(self.files) for name, shape, _ in f]
+        self.handle, self.current = None, -1
+
+    def __enter__(self):
+        return self
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        index, expected, shape = self.pending.pop(0)
+        if name != expected or tuple(tensor.shape) != tuple(shape):
+            raise RuntimeError(f"safetensors writer expected {expected} {shape}, got {name} {tuple(tensor.shape)}")
+        if index != self.current:
+            self._open(index)
+        self.handle.write(tensor.detach().to(self.dtype).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    def _open(self, index: int) -> None:
+        if self.handle is not None:
+            self.handle.close()
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, nbytes in self.files[index]:
+            header[name] = {"dtype": self.CODES[self.dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        self.handle = open(self.folder / self.file_names[index], "wb")
+        self.handle.write(len(text).to_bytes(8, "little") + text)
+        self.current = index
+
+    def __exit__(self, kind, value, traceback):
+        if self.handle is not None:
+            self.handle.close()
+        if kind is None:
+            if self.pending:
+                raise RuntimeError(f"safetensors writer: {len(self.pending)} tensors were never written")
+            if len(self.files) > 1:
+                weight_map = {name: self.file_names[i] for i, f in enumerate(self.files) for name, _, _ in f}
+                index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+                (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        return False
+
+
+def _block_tensors(names: List[str], trained: TrainedTensors, base, prefix: str, scale: float, job: str):
+    """One block's weights under their Hugging Face names, adapters folded in: W + (alpha / r) * B @ A; and the trained names read."""
     adapters = {}
     for name in names:
         module = name.rsplit(".", 1)[0]
@@ -176,6 +261,7 @@ def _block_tensors(names: List[str], trained: TrainedTensors, base, prefix: str,
     wanted = [prefix + n for n in names] + [k for pair in adapters.values() for k in pair]
     values = trained.read(wanted)
     block = {}
+    read = set(values)
     for name in names:
         if prefix + name in values:
             block[name] = values[prefix + name]
@@ -187,7 +273,7 @@ def _block_tensors(names: List[str], trained: TrainedTensors, base, prefix: str,
         if name.endswith(".weight") and a_key in values:
             delta = values[b_key].float() @ values[a_key].float()
             block[name] = (block[name].float() + scale * delta).to(block[name].dtype)
-    return block
+    return block, read
 
 
 def _write_adapter(path: Path, meta: dict, run_config: dict, staging: Path, dtype: Optional[str]) -> None:

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA as a transform of the loaded model, and the adapter's export."""
+"""LoRA and QLoRA as a transform of the model before it is filled and sharded."""
 
 from typing import List, Optional, Union
 
@@ -41,17 +41,3 @@ def apply_lora(model, r: int, alpha: int, dropout: float, target_modules: Union[
         return get_peft_model(model, config)
     except ValueError as err:
         raise LitftError(f"--lora_target_modules {targets} does not fit this model ({str(err).splitlines()[0]})") from None
-
-
-def merge_adapter_into_base(base_source: str, adapter_dir: str, dtype: torch.dtype):
-    """A plain transformers model with the adapter folded in, loaded fresh and unquantized.
-
-    Merging into a freshly loaded base (never the 4-bit training copy) gives QLoRA
-    users full-precision merged weights.
-    """
-    from peft import PeftModel
-
-    from litft.model import load_causal_lm
-
-    base = load_causal_lm(base_source, random_init=False, dtype=dtype)
-    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()

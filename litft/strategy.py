@@ -498,26 +498,3 @@ def model_state_bytes(fabric, lm, optimizer) -> Dict[str, int]:
     counts["grads"] = _local_bytes(grads) if torch.is_tensor(grads) else sum(_local_bytes(g) for g in grads)
     counts["optimizer"] = _optimizer_state_bytes(zero.optimizer) + sum(_local_bytes(m) for m in masters)
     return counts
-
-
-def full_state_dict(fabric, lm) -> Optional[dict]:
-    """The whole model's state on rank 0 for export, gathered from shards (a collective: every rank calls it).
-
-    None when rank 0 already holds every weight (one process, DDP, ZeRO 0-2).
-    """
-    if is_fsdp(fabric):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        gathered = get_model_state_dict(lm.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    elif is_deepspeed(fabric) and fabric.strategy.zero_stage_3:
-        gathered = fabric.strategy.model._zero3_consolidated_16bit_state_dict() or {}
-        gathered = {k.removeprefix("model."): v for k, v in gathered.items()}
-    else:
-        return None
-    # Gathered copies no longer share storage; a tied weight (output head = input embedding) is kept once.
-    seen, duplicates = set(), []
-    for name, param in lm.model.named_parameters(remove_duplicate=False):
-        if id(param) in seen:
-            duplicates.append(name)
-        seen.add(id(param))
-    return {k: v for k, v in gathered.items() if k not in duplicates}

@@ -174,7 +174,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     from litft.loop import fit, plan_steps
     from litft.model import load_tokenizer, resolve_model
     from litft.strategy import (
-        build_fabric, continue_logs, full_state_dict, is_fsdp, numel, param_dtype, replica_divergence, resolve_accelerator,
+        build_fabric, continue_logs, is_fsdp, numel, param_dtype, replica_divergence, resolve_accelerator,
         resolve_precision, setup_training,
     )
 
@@ -242,22 +242,23 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
         state=state, checkpointer=checkpointer, sample_log=sample_log,
     )
 
-    from litft.export import export_final
-
     divergence = replica_divergence(fabric, lm)
     if divergence is not None:
         # Replicas that drifted apart would mean gradients were not averaged across them.
         fabric.log_dict({"replica_max_abs_diff": divergence}, step=state.step)
         fabric.print(f"replicas in step: largest parameter difference between replica groups {divergence:.3g}")
     final_dir = run.out_dir / "final"
-    gathered = full_state_dict(fabric, lm)
-    on_rank_zero(
-        fabric,
-        lambda: export_final(
-            lm.model, tokenizer, run.out_dir, base_source=source if run.lora else None, dtype=param_dtype(precision), state_dict=gathered
-        ),
-        "exporting the final model",
-    )
+
+    def export_final():
+        # From the final checkpoint, block by block: no rank gathers the whole model.
+        from litft.convert import DTYPE_NAMES, export
+
+        dtype = DTYPE_NAMES[param_dtype(precision)]
+        export(checkpointer.last_path, final_dir, dtype=dtype)
+        if run.lora is not None:
+            export(checkpointer.last_path, run.out_dir / "final-adapter", merge_lora=False, dtype=dtype)
+
+    on_rank_zero(fabric, export_final, "exporting the final model")
     scores = [h["val_score"] for h in state.history if "val_score" in h]
     if len(scores) >= 2:
         n = min(run.eval.score_samples, len(data.scoring))
