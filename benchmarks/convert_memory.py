@@ -15,16 +15,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-
-def resident_mb(field: str = "RssAnon") -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
+from benchkit import PeakGrowth, llama_shape, shape_parser
 
 
 def measure_convert(checkpoint: str, target: str) -> None:
@@ -35,43 +29,24 @@ def measure_convert(checkpoint: str, target: str) -> None:
 
     from litft.convert import convert
 
-    before, peak, done = resident_mb(), [0.0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], resident_mb())
-            done.wait(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     started = time.perf_counter()
-    convert(Path(checkpoint), out_dir=Path(target))
-    done.set()
-    sampler.join()
-    print(json.dumps({"peak_growth_mb": peak[0] - before, "seconds": time.perf_counter() - started}))
+    with PeakGrowth() as peak:
+        convert(Path(checkpoint), out_dir=Path(target))
+    print(json.dumps({"peak_growth_mb": peak.mb, "seconds": time.perf_counter() - started}))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--devices", type=int, default=2)
+    parser = shape_parser(__doc__.splitlines()[0], layers=24)
     parser.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
         return measure_convert(*args.measure)
 
-    from transformers import LlamaConfig
-
     from litft.tiny import ensure_tiny_model
 
     work = Path(os.environ.get("CONVERT_BENCH_DIR") or tempfile.mkdtemp(prefix="litft-convert-"))
     work.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3, num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128, tie_word_embeddings=False,
-    )
+    config, block_mb, embedding_mb, model_mb = llama_shape(args)
     (work / "model").mkdir(exist_ok=True)
     config.save_pretrained(work / "model")
     run = work / "run"
@@ -88,9 +63,6 @@ def main() -> None:
     target = work / f"hf-{time.time_ns()}"
     out = subprocess.run([sys.executable, __file__, "--measure", str(checkpoint), str(target)], check=True, capture_output=True, text=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
-    block_mb = 4 * (2 * args.hidden**2 + 2 * args.hidden * (args.hidden // 2) + 3 * args.hidden * args.hidden * 3) / 2**20
-    embedding_mb = 4 * args.vocab * args.hidden / 2**20
-    model_mb = block_mb * args.layers + 2 * embedding_mb
     shards = len(list((checkpoint / "model").glob("*.distcp")))
     print(
         f"convert of a {shards}-rank FSDP checkpoint: peak growth {measured['peak_growth_mb']:.0f} MB in {measured['seconds']:.1f} s | "

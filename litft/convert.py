@@ -224,7 +224,8 @@ class SafetensorsWriter:
             raise RuntimeError(f"safetensors writer expected {expected} {shape}, got {name} {tuple(tensor.shape)}")
         if index != self.current:
             self._open(index)
-        self.handle.write(tensor.detach().to(self.dtype).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        flat = tensor.detach().to(self.dtype).contiguous().reshape(-1)
+        self.handle.write(memoryview(flat.view(torch.uint8).numpy()))  # the tensor's own bytes, not a copy
 
     def _open(self, index: int) -> None:
         if self.handle is not None:

@@ -1,0 +1,61 @@
+"""What the memory benchmarks share: a Llama shape from flags, and peak memory growth.
+
+Memory is the process's anonymous resident memory (Linux): pages mapped from
+safetensors or checkpoint files are page cache, shared and evictable, and are not
+what runs a machine out of memory.
+"""
+
+import argparse
+import threading
+from pathlib import Path
+
+
+def resident_mb(field: str = "RssAnon") -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+class PeakGrowth:
+    """``with PeakGrowth() as peak: ...``; then ``peak.mb`` is the largest growth seen, sampled every 2 ms."""
+
+    def __enter__(self):
+        self.before, self.peak, self.done = resident_mb(), 0.0, threading.Event()
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        self.sampler.start()
+        return self
+
+    def _sample(self):
+        while not self.done.is_set():
+            self.peak = max(self.peak, resident_mb())
+            self.done.wait(0.002)
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.sampler.join()
+        self.mb = max(self.peak, resident_mb()) - self.before
+        return False
+
+
+def shape_parser(description: str, layers: int) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--devices", type=int, default=2)
+    return parser
+
+
+def llama_shape(args):
+    """An untied Llama of the flags' shape, and its sizes in fp32 MB: (config, one block, one embedding, whole model)."""
+    from transformers import LlamaConfig
+
+    h = args.hidden
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=h, intermediate_size=h * 3, num_hidden_layers=args.layers,
+        num_attention_heads=h // 64, num_key_value_heads=h // 128, tie_word_embeddings=False,
+    )
+    block_mb = 4 * (2 * h * h + 2 * h * (h // 2) + 3 * h * h * 3) / 2**20
+    embedding_mb = 4 * args.vocab * h / 2**20
+    return config, block_mb, embedding_mb, block_mb * args.layers + 2 * embedding_mb
