@@ -216,17 +216,20 @@ def safe_reader(path: Path):
 def deepspeed_safe_loading():
     """DeepSpeed reads its files with full pickle; inside this block every ``torch.load`` is ``weights_only=True``.
 
-    Its files hold tensors, plain containers and two DeepSpeed classes (a ZeRO stage
-    enum and the fp16 loss scaler), which are the only globals allowed.
+    Its files hold tensors, plain containers and a few DeepSpeed records (the ZeRO
+    stage enum, the fp16 loss scalers, the address of a parameter's fragment in a
+    flat partition), which are the only globals allowed.
     """
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
 
+    allowed = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
     original = torch.load
 
     def safe_load(*args, **kwargs):
         kwargs["weights_only"] = True
-        with torch.serialization.safe_globals([ZeroStageEnum, LossScaler]):
+        with torch.serialization.safe_globals(allowed):
             return original(*args, **kwargs)
 
     torch.load = safe_load
@@ -336,10 +339,17 @@ class Checkpointer:
         meta = read_meta(path)
         fabric = self.fabric
         if self.deepspeed:
-            with deepspeed_safe_loading():
-                loaded, _ = fabric.strategy.model.load_checkpoint(
-                    str(path), tag="deepspeed", load_module_strict=False, load_optimizer_states=True, load_lr_scheduler_states=False
-                )
+            try:
+                with deepspeed_safe_loading():
+                    loaded, _ = fabric.strategy.model.load_checkpoint(
+                        str(path), tag="deepspeed", load_module_strict=False, load_optimizer_states=True, load_lr_scheduler_states=False
+                    )
+            except pickle.UnpicklingError as err:
+                unsafe = re.search(r"GLOBAL (\S+)", str(err))
+                raise LitftError(
+                    f"checkpoint {path}: refusing to unpickle {unsafe.group(1) if unsafe else 'an object'} from DeepSpeed's files; "
+                    "only tensors and DeepSpeed's own records are read"
+                ) from None
             if loaded is None:
                 raise LitftError(f"checkpoint {path}: DeepSpeed found no state to load in {path / 'deepspeed'}")
         else:
