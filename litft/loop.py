@@ -27,6 +27,7 @@ class LoopState:
     tokens: int = 0
     samples: int = 0
     history: List[Dict[str, float]] = field(default_factory=list)
+    stopped_by: Optional[str] = None  # the signal that ended the run early, if one did
 
 
 def plan_steps(train: TrainArgs, num_samples: int, mean_tokens: float) -> int:
@@ -89,7 +90,7 @@ class Progress:
 
 def fit(
     fabric, module, optimizer, scheduler, data: PreparedData, train: TrainArgs, eval: EvalArgs, seed: int, tokenizer, total_steps: int,
-    state: Optional[LoopState] = None, checkpointer=None, sample_log: Optional[Path] = None,
+    state: Optional[LoopState] = None, checkpointer=None, sample_log: Optional[Path] = None, stop=None,
 ) -> LoopState:
     """Train until the planned step count or the token budget is reached.
 
@@ -99,7 +100,8 @@ def fit(
     the step optimizes the exact token mean of the global batch, as one process would.
 
     A resumed ``state`` continues at its (epoch, step): the sample order is a pure
-    function of them, so no batch is replayed or skipped.
+    function of them, so no batch is replayed or skipped. When ``stop`` has noted a
+    signal on any rank, every rank ends after the same step with a checkpoint.
     """
     state = state or LoopState()
     order = SampleOrder(
@@ -123,13 +125,18 @@ def fit(
             with open(sample_log, "a") as f:
                 f.write(json.dumps({"step": state.step + 1, "epoch": state.epoch, "ids": [i for idx in indices for i in idx]}) + "\n")
         micro = [collate([data.train[i] for i in idx], pad_id) for idx in indices]
-        # One all-reduce before the step: loss-carrying tokens (for the scale), input tokens, samples.
+        # One all-reduce before the step: loss-carrying tokens (for the scale), input tokens, samples,
+        # and whether any rank was asked to stop.
+        asked = stop is not None and stop.received is not None
         counts = torch.tensor(
-            [sum(target_tokens(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro)],
+            [sum(target_tokens(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro), float(asked)],
             dtype=torch.float64,
             device=fabric.device,
         )
-        global_targets, step_tokens, step_samples = (int(c) for c in fabric.all_reduce(counts, reduce_op="sum").tolist())
+        global_targets, step_tokens, step_samples, stopping = (int(c) for c in fabric.all_reduce(counts, reduce_op="sum").tolist())
+        if stopping:
+            state.stopped_by = stop.received if asked else "a signal to another rank"
+            break
         scale = fabric.world_size / max(global_targets, 1)
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=fabric.device)
@@ -185,8 +192,11 @@ def fit(
         if checkpointer is not None and checkpointer.due(state.step) and state.step < total_steps:
             progress.message(f"step {state.step}: checkpoint {checkpointer.save(state)}")
 
-    if checkpointer is not None and checkpointer.last_saved != state.step:
+    if checkpointer is not None and checkpointer.last_saved != state.step and not (state.stopped_by and state.step == start_step):
         progress.message(f"step {state.step}: checkpoint {checkpointer.save(state)}")
+    if state.stopped_by:
+        progress.close()
+        return state
     if eval.final_validation:
         _validate_and_log(fabric, module, data, train, eval, tokenizer, state, progress, scoring=True)
     progress.close()

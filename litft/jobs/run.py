@@ -57,7 +57,7 @@ class RunResult:
     model: torch.nn.Module
     history: list
     out_dir: Path
-    final_dir: Path
+    final_dir: Optional[Path]  # None when a stop signal ended the run before its export
 
 
 def check_flags(run: Run) -> None:
@@ -171,6 +171,7 @@ def on_rank_zero(fabric, fn: Callable, stage: str) -> None:
 def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     """The single path every job takes, from flags to an exported model."""
     from litft.checkpoint import resolve_resume
+    from litft.cluster import StopSignals, apply_launcher_env, preflight, restarted
     from litft.loop import fit, plan_steps
     from litft.model import load_tokenizer, resolve_model
     from litft.strategy import (
@@ -180,7 +181,11 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
 
     started = time.perf_counter()
     quiet_libraries()
+    run.devices, run.num_nodes = apply_launcher_env(run.devices, run.num_nodes)
+    preflight(run.devices, run.num_nodes)  # a wrong world explains every later complaint, so it goes first
     check_flags(run)
+    if run.resume is None and restarted():
+        run.resume = "auto"  # a launcher brought the run back: continue from its newest checkpoint
     accelerator = resolve_accelerator(run.accelerator)
     precision = resolve_precision(run.precision, accelerator)
     layout = layout_of(run)
@@ -237,10 +242,15 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     if run.train.record_sample_ids:
         sample_log = run.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
         sample_log.parent.mkdir(parents=True, exist_ok=True)
-    state = fit(
-        fabric, module, optimizer, scheduler, data, run.train, run.eval, run.seed, tokenizer, total_steps,
-        state=state, checkpointer=checkpointer, sample_log=sample_log,
-    )
+    with StopSignals() as stop:
+        state = fit(
+            fabric, module, optimizer, scheduler, data, run.train, run.eval, run.seed, tokenizer, total_steps,
+            state=state, checkpointer=checkpointer, sample_log=sample_log, stop=stop,
+        )
+    if state.stopped_by:
+        saved = f"checkpoint {checkpointer.last_path}" if checkpointer.last_path else "no checkpoint (no step was trained)"
+        fabric.print(f"{run.job} stopped by {state.stopped_by} after step {state.step}: {saved}; continue with --resume auto")
+        return RunResult(model=lm.model, history=state.history, out_dir=run.out_dir, final_dir=None)
 
     divergence = replica_divergence(fabric, lm)
     if divergence is not None:

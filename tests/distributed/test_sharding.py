@@ -165,3 +165,6 @@ def test_hybrid_shard_two_nodes_match_one_process(tmp_path, reference, job):
     assert_same_training(reference(job), out, job, (0.5, 0.5, 0.5))
     # Replica groups (the two nodes) hold identical parameters after training.
     assert [r["replica_max_abs_diff"] for r in read_metrics(out) if "replica_max_abs_diff" in r] == [0.0]
+    # Both nodes wrote their shards of one checkpoint, committed once.
+    meta = (out / "checkpoints" / "step-00000004" / "meta.json").read_text()
+    assert '"world_size": 4' in meta and len(list((out / "checkpoints" / "step-00000004" / "model").glob("*.distcp"))) == 4

@@ -1,0 +1,134 @@
+"""Where a run sits in a cluster: the launcher's variables, a preflight that fails in seconds, and stop signals.
+
+litft starts its own processes (``--devices N --num_nodes M`` with MASTER_ADDR,
+MASTER_PORT and NODE_RANK on each node), or joins the processes that torchrun or
+SLURM's srun started. Either way the flags must describe the world the launcher
+made; a mismatch found here costs seconds, found by a collective it costs a
+timeout.
+"""
+
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Dict, Optional
+
+from litft.errors import LitftError
+
+# What schedulers send before they kill: SLURM's preemption and time limit (--signal), Kubernetes, torchrun.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def launcher(env: Optional[Dict[str, str]] = None) -> str:
+    """``torchrun``, ``slurm`` or ``litft`` (processes litft starts itself), detected as Lightning detects them."""
+    env = os.environ if env is None else env
+    if all(k in env for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        return "torchrun"
+    if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "slurm"
+    return "litft"
+
+
+def apply_launcher_env(devices: int, num_nodes: int, env: Optional[Dict[str, str]] = None):
+    """NNODES and NPROC_PER_NODE (as other tools read them) stand in for --num_nodes and --devices left at 1."""
+    env = os.environ if env is None else env
+    for flag, name, value in (("--devices", "NPROC_PER_NODE", devices), ("--num_nodes", "NNODES", num_nodes)):
+        if name not in env:
+            continue
+        try:
+            given = int(env[name])
+        except ValueError:
+            raise LitftError(f"{name}={env[name]} is not a number; unset it or give a count") from None
+        if value != 1 and value != given:
+            raise LitftError(f"{flag} {value} disagrees with {name}={given} in the environment; pass one of them")
+        if flag == "--devices":
+            devices = given
+        else:
+            num_nodes = given
+    return devices, num_nodes
+
+
+def preflight(devices: int, num_nodes: int, env: Optional[Dict[str, str]] = None, reach_timeout: float = 60.0) -> None:
+    """Before any process group: the launcher's world is the one the flags describe, and node 0 can be reached."""
+    env = os.environ if env is None else env
+    world = devices * num_nodes
+    kind = launcher(env)
+    if kind == "torchrun":
+        local, total = int(env["LOCAL_WORLD_SIZE"]), int(env.get("WORLD_SIZE", env["LOCAL_WORLD_SIZE"]))
+        if local != devices:
+            raise LitftError(f"torchrun started {local} processes on this node but --devices is {devices}; pass --devices {local} (or torchrun --nproc_per_node {devices})")
+        if total != world:
+            raise LitftError(
+                f"torchrun's world has {total} processes but --devices {devices} x --num_nodes {num_nodes} is {world}; pass --num_nodes {total // local}"
+            )
+        return
+    if kind == "slurm":
+        nodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        per_node = int(per_node) if per_node.isdigit() else int(env["SLURM_NTASKS"]) // max(nodes, 1)
+        if per_node != devices:
+            raise LitftError(f"SLURM runs {per_node} tasks per node but --devices is {devices}; set #SBATCH --ntasks-per-node={devices} (one task per GPU) or pass --devices {per_node}")
+        if nodes != num_nodes:
+            raise LitftError(f"SLURM gave {nodes} nodes but --num_nodes is {num_nodes}; set #SBATCH --nodes={num_nodes} or pass --num_nodes {nodes}")
+        return
+    if num_nodes > 1 and "LOCAL_RANK" not in env:  # this node's main process; its children inherit the checked env
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if k not in env]
+        if missing:
+            raise LitftError(f"--num_nodes {num_nodes} needs {', '.join(missing)} set on every node (node 0's address and a free port, and this node's rank), or launch with torchrun or srun")
+        rank = int(env["NODE_RANK"])
+        if not 0 <= rank < num_nodes:
+            raise LitftError(f"NODE_RANK={rank} is outside 0..{num_nodes - 1} for --num_nodes {num_nodes}")
+        if rank > 0:
+            wait_for_node_zero(env["MASTER_ADDR"], int(env["MASTER_PORT"]), reach_timeout)
+
+
+def wait_for_node_zero(host: str, port: int, timeout: float) -> None:
+    """Node 0 listens on MASTER_ADDR:MASTER_PORT once it starts; other nodes wait for it a bounded time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2):
+                return
+        except OSError as err:
+            if time.monotonic() > deadline:
+                raise LitftError(
+                    f"node 0 at MASTER_ADDR={host} MASTER_PORT={port} did not answer within {timeout:.0f} s ({err.strerror or err}); "
+                    "start node 0, or check the address and that the port is open between nodes"
+                ) from None
+            time.sleep(0.5)
+
+
+def restarted() -> Optional[str]:
+    """The launcher that restarted this run after a failure or preemption, if one did."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return f"torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}"
+    if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
+        return f"SLURM requeue {os.environ['SLURM_RESTART_COUNT']}"
+    return None
+
+
+class StopSignals:
+    """Notes the first SIGTERM or SIGUSR1 while training, so the loop can finish its step, checkpoint and stop.
+
+    Only one rank needs to receive it: the loop shares the flag in the all-reduce it
+    makes every step anyway, so every rank stops after the same step.
+    """
+
+    def __init__(self):
+        self.received: Optional[str] = None
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.received = self.received or signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False

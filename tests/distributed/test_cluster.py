@@ -1,0 +1,164 @@
+"""Surviving the cluster, in real processes: a stop signal mid-run, a rank killed under torchrun, a launcher that disagrees with the flags."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import ROOT, read_metrics, run_cli
+from tests.distributed.test_sharding import free_port
+
+ARGS = [
+    "--data", "TinyTasks", "--data.num_train", "256", "--data.num_val", "8", "--train.global_batch_size", "8",
+    "--train.learning_rate", "3e-3", "--train.warmup_steps", "1", "--eval.interval", "0", "--eval.max_batches", "1",
+    "--eval.initial_validation", "false", "--precision", "32-true", "--accelerator", "cpu",
+]
+
+
+def final_loss(out_dir):
+    return [r["loss"] for r in read_metrics(out_dir) if "loss" in r][-1]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One process, never stopped: the final loss of 20 steps."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run_cli("finetune_full", *ARGS, "--train.max_steps", "20", "--train.micro_batch_size", "4", "--out_dir", out)
+    return final_loss(out)
+
+
+def assert_same_final_loss(out_dir, expected):
+    assert abs(final_loss(out_dir) - expected) <= 1e-5 * expected
+
+
+def stop_when_step_two_shows(proc, stop):
+    """Read the run's output; at its second step call ``stop``; return everything it printed and its exit status."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 2/20"):
+            stop()
+            break
+    lines += proc.stdout.readlines()
+    return lines, proc.wait(timeout=120)
+
+
+def stopped_step(lines, signal_name):
+    stopped = [line for line in lines if f"stopped by {signal_name}" in line]
+    assert stopped and "continue with --resume auto" in stopped[0], "".join(lines)[-3000:]
+    step = int(stopped[0].split("after step ")[1].split(":")[0])
+    assert 2 <= step < 20
+    return step
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_resumes(tmp_path, uninterrupted):
+    """SIGTERM to rank 0 alone: both ranks stop after the same step, with a checkpoint; --resume auto completes the run."""
+    args = ["finetune_full", *ARGS, "--train.max_steps", "20", "--train.save_interval", "1000", "--devices", "2", "--train.micro_batch_size", "2"]
+    out = tmp_path / "preempted"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "litft", *args, "--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    lines, status = stop_when_step_two_shows(proc, lambda: proc.send_signal(signal.SIGTERM))
+    assert status == 0, "".join(lines)[-3000:]
+    step = stopped_step(lines, "SIGTERM")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{step:08d}"]
+    assert not (out / "final").exists()
+    run_cli(*args, "--out_dir", out, "--resume", "auto")
+    assert_same_final_loss(out, uninterrupted)
+
+
+DIE_AFTER_STEP_4 = """
+import os, signal, sys
+import litft.checkpoint as checkpoint
+save = checkpoint.Checkpointer.save
+def save_then_die(self, state):
+    path = save(self, state)
+    if state.step == 4 and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return path
+checkpoint.Checkpointer.save = save_then_die
+from litft.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+def test_rank_killed_under_torchrun_restarts_and_resumes(tmp_path, uninterrupted):
+    script = tmp_path / "die_once.py"
+    script.write_text(DIE_AFTER_STEP_4)
+    out = tmp_path / "elastic"
+    job = ["finetune_full", *ARGS, "--train.max_steps", "20", "--train.save_interval", "2", "--devices", "2", "--train.micro_batch_size", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "1",
+                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "litft-test"]
+    # The script imports litft from this checkout, as `python -m litft` does from the working directory.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([*torchrun, str(script), *job, "--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stdout + proc.stderr and "step-00000004" in proc.stdout + proc.stderr
+    assert_same_final_loss(out, uninterrupted)
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_world_size_mismatch_fails_fast_with_one_line(tmp_path):
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "litft", "finetune_full",
+         *ARGS, "--devices", "4", "--out_dir", str(tmp_path / "x")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0 and elapsed < 30, (elapsed, proc.stderr[-2000:])
+    expected = "litft: error: torchrun started 2 processes on this node but --devices is 4; pass --devices 2 (or torchrun --nproc_per_node 4)"
+    assert expected in proc.stderr.splitlines()
+    assert not (tmp_path / "x").exists()
+
+
+def slurm_available() -> bool:
+    if shutil.which("srun") and subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0:
+        return True
+    if os.environ.get("LITFT_REQUIRE_SLURM") == "1":  # CI starts one (.ci/slurm.sh); missing there is a failure
+        raise AssertionError("LITFT_REQUIRE_SLURM=1 but no SLURM controller answers; run .ci/slurm.sh")
+    return False
+
+
+slurm = pytest.mark.skipif("not slurm_available()", reason="no SLURM here (.ci/slurm.sh starts one)")
+
+
+@slurm
+def test_srun_trains_like_one_process_and_stops_on_usr1(tmp_path, uninterrupted):
+    """A real SLURM: srun starts 2 tasks that litft joins; then scancel --signal=USR1 (what --signal sends before the time limit) stops a run."""
+    job = ["finetune_full", *ARGS, "--devices", "2", "--train.micro_batch_size", "2"]
+    srun = ["srun", "--nodes", "1", "--ntasks-per-node", "2", sys.executable, "-m", "litft", *job]
+    done = subprocess.run([*srun, "--train.max_steps", "20", "--out_dir", str(tmp_path / "full")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_final_loss(tmp_path / "full", uninterrupted)
+
+    name = f"litft-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "signalled"
+    proc = subprocess.Popen(
+        [*srun[:1], "--job-name", name, *srun[1:], "--train.max_steps", "20", "--train.save_interval", "1000", "--out_dir", str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    lines, status = stop_when_step_two_shows(proc, lambda: subprocess.run(["scancel", "--signal=USR1", "--name", name], check=True))
+    assert status == 0, "".join(lines)[-3000:]
+    step = stopped_step(lines, "SIGUSR1")
+    assert '"world_size": 2' in (out / "checkpoints" / f"step-{step:08d}" / "meta.json").read_text()
+
+
+@slurm
+def test_srun_task_count_mismatch_fails_fast(tmp_path):
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["srun", "--nodes", "1", "--ntasks-per-node", "2", sys.executable, "-m", "litft", "finetune_full", *ARGS, "--devices", "4",
+         "--out_dir", str(tmp_path / "x")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0 and elapsed < 30, (elapsed, proc.stderr[-2000:])
+    expected = "litft: error: SLURM runs 2 tasks per node but --devices is 4; set #SBATCH --ntasks-per-node=4 (one task per GPU) or pass --devices 2"
+    assert expected in proc.stderr.splitlines(), proc.stderr[-2000:]
