@@ -9,7 +9,6 @@ timeout.
 
 import os
 import signal
-import socket
 import threading
 import time
 from typing import Dict, Optional
@@ -49,8 +48,8 @@ def apply_launcher_env(devices: int, num_nodes: int, env: Optional[Dict[str, str
     return devices, num_nodes
 
 
-def preflight(devices: int, num_nodes: int, env: Optional[Dict[str, str]] = None, reach_timeout: float = 60.0) -> None:
-    """Before any process group: the launcher's world is the one the flags describe, and node 0 can be reached."""
+def preflight(devices: int, num_nodes: int, env: Optional[Dict[str, str]] = None, rendezvous_timeout: float = 300.0) -> None:
+    """Before any process group: the launcher's world is the one the flags describe, and every node has arrived."""
     env = os.environ if env is None else env
     world = devices * num_nodes
     kind = launcher(env)
@@ -79,24 +78,59 @@ def preflight(devices: int, num_nodes: int, env: Optional[Dict[str, str]] = None
         rank = int(env["NODE_RANK"])
         if not 0 <= rank < num_nodes:
             raise LitftError(f"NODE_RANK={rank} is outside 0..{num_nodes - 1} for --num_nodes {num_nodes}")
-        if rank > 0:
-            wait_for_node_zero(env["MASTER_ADDR"], int(env["MASTER_PORT"]), reach_timeout)
+        timeout = float(env.get("LITFT_RENDEZVOUS_TIMEOUT", rendezvous_timeout))
+        check_in(rank, num_nodes, devices, env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1, timeout)
 
 
-def wait_for_node_zero(host: str, port: int, timeout: float) -> None:
-    """Node 0 listens on MASTER_ADDR:MASTER_PORT once it starts; other nodes wait for it a bounded time."""
-    deadline = time.monotonic() + timeout
-    while True:
+def check_in(node_rank: int, num_nodes: int, devices: int, host: str, port: int, timeout: float) -> None:
+    """Every node's main process meets node 0 before training starts; a node that never comes is named.
+
+    Node 0 serves a small key-value store on MASTER_PORT + 1 (a port of its own: the
+    process group's store on MASTER_PORT must not meet a client of this one). Each
+    node writes its arrival there; node 0 waits up to
+    ``timeout`` and writes the verdict every node reads: all here, or who is missing
+    with their ranks, so every node stops with the same line instead of waiting at
+    the first collective until the process group's timeout (30 minutes).
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    wait = timedelta(seconds=timeout)
+    if node_rank == 0:
+        store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=wait, use_libuv=False)
+        deadline = time.monotonic() + timeout
+        expected = [f"litft/node/{r}" for r in range(1, num_nodes)]
+        while not store.check(expected) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        missing = [r for r in range(1, num_nodes) if not store.check([f"litft/node/{r}"])]
+        verdict = ",".join(map(str, missing)) or "none"
+        store.set("litft/missing", verdict)
+        arrived = [f"litft/read/{r}" for r in range(1, num_nodes) if r not in missing]
+        end = time.monotonic() + 30  # the verdict is read before the store goes away
+        while arrived and not store.check(arrived) and time.monotonic() < end:
+            time.sleep(0.1)
+        del store
+    else:
         try:
-            with socket.create_connection((host, port), timeout=2):
-                return
-        except OSError as err:
-            if time.monotonic() > deadline:
-                raise LitftError(
-                    f"node 0 at MASTER_ADDR={host} MASTER_PORT={port} did not answer within {timeout:.0f} s ({err.strerror or err}); "
-                    "start node 0, or check the address and that the port is open between nodes"
-                ) from None
-            time.sleep(0.5)
+            store = TCPStore(host, port, is_master=False, timeout=wait, use_libuv=False)
+            store.set(f"litft/node/{node_rank}", "here")
+            store.wait(["litft/missing"], wait + timedelta(seconds=30))
+            verdict = store.get("litft/missing").decode()
+            store.set(f"litft/read/{node_rank}", "1")
+        except Exception as err:  # noqa: BLE001 - a refused or timed-out connection, in torch's words
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise LitftError(
+                f"node 0 at MASTER_ADDR={host} did not answer on MASTER_PORT + 1 = {port} within {timeout:.0f} s ({first[:200]}); "
+                "start node 0, or check the address and that MASTER_PORT and the port after it are open between nodes"
+            ) from None
+        missing = [] if verdict == "none" else [int(r) for r in verdict.split(",")]
+    if missing:
+        named = "; ".join(f"node {r} (ranks {r * devices}-{(r + 1) * devices - 1})" for r in missing)
+        raise LitftError(
+            f"{named} did not join within {timeout:.0f} s of node 0 ({num_nodes - len(missing)} of {num_nodes} nodes arrived); "
+            f"start the missing nodes with NODE_RANK set, or set LITFT_RENDEZVOUS_TIMEOUT (seconds) to wait longer"
+        )
 
 
 def restarted() -> Optional[str]:

@@ -1,4 +1,4 @@
-"""Surviving the cluster, in real processes: a stop signal mid-run, a rank killed under torchrun, a launcher that disagrees with the flags."""
+"""Surviving the cluster, in real processes: a stop signal mid-run, a real srun, a missing node, a launcher that disagrees with the flags."""
 
 import os
 import shutil
@@ -73,37 +73,6 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tmp_path, uninterrupt
     assert_same_final_loss(out, uninterrupted)
 
 
-DIE_AFTER_STEP_4 = """
-import os, signal, sys
-import litft.checkpoint as checkpoint
-save = checkpoint.Checkpointer.save
-def save_then_die(self, state):
-    path = save(self, state)
-    if state.step == 4 and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
-    return path
-checkpoint.Checkpointer.save = save_then_die
-from litft.__main__ import main
-main(sys.argv[1:])
-"""
-
-
-def test_rank_killed_under_torchrun_restarts_and_resumes(tmp_path, uninterrupted):
-    script = tmp_path / "die_once.py"
-    script.write_text(DIE_AFTER_STEP_4)
-    out = tmp_path / "elastic"
-    job = ["finetune_full", *ARGS, "--train.max_steps", "20", "--train.save_interval", "2", "--devices", "2", "--train.micro_batch_size", "2"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "1",
-                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "litft-test"]
-    # The script imports litft from this checkout, as `python -m litft` does from the working directory.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([*torchrun, str(script), *job, "--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "resumed from" in proc.stdout + proc.stderr and "step-00000004" in proc.stdout + proc.stderr
-    assert_same_final_loss(out, uninterrupted)
-    assert (out / "final" / "model.safetensors").is_file()
-
-
 def test_world_size_mismatch_fails_fast_with_one_line(tmp_path):
     started = time.monotonic()
     proc = subprocess.run(
@@ -162,3 +131,20 @@ def test_srun_task_count_mismatch_fails_fast(tmp_path):
     assert proc.returncode != 0 and elapsed < 30, (elapsed, proc.stderr[-2000:])
     expected = "litft: error: SLURM runs 2 tasks per node but --devices is 4; set #SBATCH --ntasks-per-node=4 (one task per GPU) or pass --devices 2"
     assert expected in proc.stderr.splitlines(), proc.stderr[-2000:]
+
+
+def test_missing_node_is_named_instead_of_a_hang(tmp_path):
+    """Nodes 0 and 1 of a 3-node launch on 127.0.0.1: both stop within seconds, naming node 2 and its ranks."""
+    port = str(free_port())
+    args = [sys.executable, "-m", "litft", "finetune_full", *ARGS, "--devices", "2", "--num_nodes", "3", "--out_dir", str(tmp_path / "x")]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, LITFT_RENDEZVOUS_TIMEOUT="5")
+    started = time.monotonic()
+    nodes = [
+        subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env, NODE_RANK=str(rank)))
+        for rank in (0, 1)
+    ]
+    errors = [node.communicate(timeout=120)[1] for node in nodes]
+    assert time.monotonic() - started < 60  # imports plus the 5 s wait; the process group's own timeout is 30 minutes
+    expected = "litft: error: node 2 (ranks 4-5) did not join within 5 s of node 0 (2 of 3 nodes arrived); start the missing nodes"
+    for node, err in zip(nodes, errors):
+        assert node.returncode == 2 and err.strip().splitlines()[-1].startswith(expected), err[-2000:]

@@ -17,7 +17,7 @@ COMMON = [
     [
         ("finetune_full", []),
         ("finetune_lora", ["--lora_dropout", "0", "--lora_r", "4"]),
-        ("pretrain", []),
+        # pretrain shares this path; it is compared to one process under FSDP in test_sharding.
     ],
 )
 def test_ddp_matches_single_process(tmp_path, job, extra):

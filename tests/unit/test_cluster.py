@@ -1,9 +1,10 @@
 import socket
+import threading
 import time
 
 import pytest
 
-from litft.cluster import apply_launcher_env, launcher, preflight
+from litft.cluster import apply_launcher_env, check_in, launcher, preflight
 from litft.errors import LitftError
 
 TORCHRUN = {"RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}
@@ -41,15 +42,51 @@ def test_mismatched_worlds_fail_in_one_line(devices, num_nodes, env, message):
         preflight(devices, num_nodes, env)
 
 
-def test_node_zero_unreachable_fails_within_the_timeout():
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
+        return s.getsockname()[1]  # closed again: nothing listens there until a test starts a store
+
+
+def test_node_zero_unreachable_fails_within_the_timeout():
+    port = free_port()
     started = time.monotonic()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "1"}
-    with pytest.raises(LitftError, match=f"node 0 at MASTER_ADDR=127.0.0.1 MASTER_PORT={port} did not answer within 2 s"):
-        preflight(2, 2, env, reach_timeout=2)
-    assert time.monotonic() - started < 10
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "1", "LITFT_RENDEZVOUS_TIMEOUT": "2"}
+    with pytest.raises(LitftError, match=f"node 0 at MASTER_ADDR=127.0.0.1 did not answer on MASTER_PORT \\+ 1 = {port + 1} within 2 s"):
+        preflight(2, 2, env)
+    assert time.monotonic() - started < 15
+
+
+def check_in_all(nodes, num_nodes, timeout=3.0):
+    """Node main processes as threads; what each one raised (None when it may go on)."""
+    port, outcome = free_port(), {}
+
+    def node(rank):
+        try:
+            check_in(rank, num_nodes, 2, "127.0.0.1", port, timeout)
+            outcome[rank] = None
+        except LitftError as err:
+            outcome[rank] = str(err)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in nodes]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)  # node 0 first, as its store must listen before the others connect
+    for t in threads:
+        t.join(timeout=60)
+    return outcome
+
+
+def test_every_node_checks_in():
+    assert check_in_all([0, 1, 2], 3) == {0: None, 1: None, 2: None}
+
+
+def test_a_missing_node_is_named_on_every_node_that_came():
+    started = time.monotonic()
+    outcome = check_in_all([0, 2], 3)
+    expected = "node 1 (ranks 2-3) did not join within 3 s of node 0 (2 of 3 nodes arrived)"
+    assert outcome.keys() == {0, 2} and all(expected in message for message in outcome.values()), outcome
+    assert time.monotonic() - started < 20
 
 
 def test_nnodes_and_nproc_per_node_fill_default_flags():
@@ -58,3 +95,17 @@ def test_nnodes_and_nproc_per_node_fill_default_flags():
     assert apply_launcher_env(4, 1, {}) == (4, 1)
     with pytest.raises(LitftError, match="--devices 4 disagrees with NPROC_PER_NODE=8"):
         apply_launcher_env(4, 1, {"NPROC_PER_NODE": "8"})
+
+
+def test_a_restarted_run_is_recognised(monkeypatch):
+    from litft.cluster import restarted
+
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert restarted() is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert restarted() is None
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert restarted() == "SLURM requeue 2"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert restarted() == "torchrun restart 1"
