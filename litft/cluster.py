@@ -133,6 +133,38 @@ def check_in(node_rank: int, num_nodes: int, devices: int, host: str, port: int,
         )
 
 
+def join_torchrun_group(accelerator: str) -> None:
+    """Under torchrun, start the process group on keys of this restart attempt alone.
+
+    torchrun's agent keeps one TCPStore for every restart (the store is shared
+    unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and torch's ``env://`` start uses
+    it without a prefix, so a restarted group reads the dead group's addresses and
+    barrier counts: gloo then refuses connections or waits forever. Fabric leaves
+    an existing group alone, so starting it here on a per-attempt prefix is enough.
+    """
+    env = os.environ
+    if launcher(env) != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env["WORLD_SIZE"]) < 2:
+        return
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "gloo"
+    if accelerator == "cuda":
+        torch.cuda.set_device(int(env["LOCAL_RANK"]))
+        backend = "nccl"
+    timeout = timedelta(minutes=30)  # torch's and Lightning's default for a collective
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"litft/attempt-{attempt}", store), rank=int(env["RANK"]),
+        world_size=int(env["WORLD_SIZE"]), timeout=timeout,
+    )
+
+
 def restarted() -> Optional[str]:
     """The launcher that restarted this run after a failure or preemption, if one did."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:

@@ -171,7 +171,7 @@ def on_rank_zero(fabric, fn: Callable, stage: str) -> None:
 def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     """The single path every job takes, from flags to an exported model."""
     from litft.checkpoint import resolve_resume
-    from litft.cluster import StopSignals, apply_launcher_env, preflight, restarted
+    from litft.cluster import StopSignals, apply_launcher_env, join_torchrun_group, preflight, restarted
     from litft.loop import fit, plan_steps
     from litft.model import load_tokenizer, resolve_model
     from litft.strategy import (
@@ -191,6 +191,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     layout = layout_of(run)
     layout.check(accelerator, precision)
     fabric = build_fabric(accelerator=accelerator, layout=layout, precision=precision, train=run.train, out_dir=run.out_dir)
+    join_torchrun_group(accelerator)
     fabric.launch()
 
     def prepare():

@@ -1,4 +1,4 @@
-"""Surviving the cluster, in real processes: a stop signal mid-run, a real srun, a missing node, a launcher that disagrees with the flags."""
+"""Surviving the cluster, in real processes: a stop signal mid-run, a rank killed under torchrun, a real srun, a missing node, a launcher that disagrees with the flags."""
 
 import os
 import shutil
@@ -71,6 +71,39 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tmp_path, uninterrupt
     assert not (out / "final").exists()
     run_cli(*args, "--out_dir", out, "--resume", "auto")
     assert_same_final_loss(out, uninterrupted)
+
+
+DIE_ONCE_AFTER_STEP_4 = """
+import os, signal, sys
+import litft.checkpoint as checkpoint
+save = checkpoint.Checkpointer.save
+def save_then_die(self, state):
+    path = save(self, state)
+    if state.step == 4 and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return path
+checkpoint.Checkpointer.save = save_then_die
+from litft.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+def test_rank_killed_under_torchrun_restarts_and_resumes(tmp_path, uninterrupted):
+    """Rank 1 is SIGKILLed after its step-4 checkpoint; torchrun restarts both ranks, which resume by themselves."""
+    script = tmp_path / "die_once.py"
+    script.write_text(DIE_ONCE_AFTER_STEP_4)
+    out = tmp_path / "elastic"
+    job = ["finetune_full", *ARGS, "--train.max_steps", "20", "--train.save_interval", "2", "--devices", "2", "--train.micro_batch_size", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max_restarts", "1",
+                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", f"litft-{uuid.uuid4().hex[:8]}"]
+    # The script imports litft from this checkout, as `python -m litft` does from the working directory.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([*torchrun, str(script), *job, "--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    printed = proc.stdout + proc.stderr
+    assert proc.returncode == 0, printed[-4000:]
+    assert "exitcode: -9" in printed and "resumed from" in printed and "step-00000004" in printed, printed[-4000:]
+    assert_same_final_loss(out, uninterrupted)
+    assert (out / "final" / "model.safetensors").is_file()
 
 
 def test_world_size_mismatch_fails_fast_with_one_line(tmp_path):
