@@ -9,6 +9,7 @@ timeout.
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Dict, Optional
@@ -198,3 +199,101 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
+
+
+class PeerWatch:
+    """Names the ranks a stuck step waits for, instead of waiting out the process group's 30-minute timeout.
+
+    A thread on every rank publishes a record (a counter that grows while the process
+    lives, and the step it is in) to the process group's store every few seconds. Once
+    this rank has spent ``timeout`` seconds in one step, it reads every record twice: a
+    rank whose counter stood still is dead, frozen or cut off, and this rank exits with
+    one line naming it, so torchrun or SLURM can restart the run from its newest
+    checkpoint. Ranks that are alive but still in an earlier step are named once as
+    stragglers; the collective's own timeout then decides.
+    """
+
+    def __init__(self, rank: int, world_size: int, devices: int, timeout: float, store=None):
+        self.rank, self.world_size, self.devices, self.timeout = rank, world_size, devices, timeout
+        self.interval = max(0.2, min(5.0, timeout / 4))
+        self.store = store
+        self.step, self.since, self.beats = 0, time.monotonic(), 0
+        self._done = threading.Event()
+        self._thread = None
+        self._next_verdict = 0.0
+
+    @classmethod
+    def for_run(cls, fabric, devices: int) -> "PeerWatch":
+        timeout = float(os.environ.get("LITFT_COLLECTIVE_TIMEOUT", 300))
+        store = None
+        if fabric.world_size > 1 and timeout > 0:
+            import torch.distributed as dist
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            store = dist.PrefixStore("litft/watch/", _get_default_store())
+        return cls(fabric.global_rank, fabric.world_size, devices, timeout, store)
+
+    def at(self, step: int) -> None:
+        """The loop started ``step`` on this rank."""
+        self.step, self.since, self._next_verdict = step, time.monotonic(), 0.0
+
+    def __enter__(self):
+        if self.store is not None:
+            self._publish()
+            self._thread = threading.Thread(target=self._watch, name="litft-peer-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._done.set()
+            self._thread.join()
+            try:
+                self.store.set(str(self.rank), "done")  # finished ranks are not missing ones
+            except Exception:  # noqa: BLE001 - the store's host may have finished first
+                pass
+        return False
+
+    def _publish(self) -> None:
+        self.beats += 1
+        self.store.set(str(self.rank), f"{self.beats} {self.step}")
+
+    def _records(self) -> Dict[int, Optional[tuple]]:
+        values = self.store.multi_get([str(r) for r in range(self.world_size)])
+        return {r: None if v == b"done" else tuple(int(x) for x in v.split()) for r, v in enumerate(values)}
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.interval):
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001 - judged below, once the step is overdue
+                pass
+            now = time.monotonic()
+            if now - self.since > self.timeout and now >= self._next_verdict:
+                self._next_verdict = now + self.timeout  # a straggler is named again if it stays behind
+                verdict, fatal = self.verdict()
+                print(f"litft: {'error' if fatal else 'warning'}: {verdict}", file=sys.stderr, flush=True)
+                if fatal:
+                    os._exit(1)
+
+    def verdict(self) -> tuple:
+        """One line on who this overdue step waits for, and whether waiting longer can help."""
+        step, waited = self.step, time.monotonic() - self.since
+        where = lambda r: f"rank {r} (node {r // self.devices})"  # noqa: E731
+        try:
+            first = self._records()
+            time.sleep(2.5 * self.interval)
+            second = self._records()
+        except Exception:  # noqa: BLE001 - rank 0 hosts the store; no answer means it is gone
+            return (f"step {step} has waited {waited:.0f} s and the process group's store on rank 0 does not answer: "
+                    f"{where(0)} is gone; check its node's log (the launcher restarts the run from its newest checkpoint)"), True
+        others = [r for r in range(self.world_size) if r != self.rank]
+        gone = [r for r in others if first[r] is not None and second[r] is not None and second[r][0] == first[r][0]]
+        if gone:
+            return (f"step {step} has waited {waited:.0f} s for {', '.join(map(where, gone))}: no sign of life for "
+                    f"{2.5 * self.interval:.0f} s (process dead or frozen, or node unreachable); check those nodes' logs "
+                    "(the launcher restarts the run from its newest checkpoint)"), True
+        behind = [r for r in others if second[r] is not None and second[r][1] < step]
+        if behind:
+            return f"step {step} has waited {waited:.0f} s for {', '.join(map(where, behind))}, alive but still in an earlier step", False
+        return f"step {step} has taken {waited:.0f} s on this rank; every rank is alive and in it (a slow step, or a collective that hangs)", False

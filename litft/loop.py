@@ -90,7 +90,7 @@ class Progress:
 
 def fit(
     fabric, module, optimizer, scheduler, data: PreparedData, train: TrainArgs, eval: EvalArgs, seed: int, tokenizer, total_steps: int,
-    state: Optional[LoopState] = None, checkpointer=None, sample_log: Optional[Path] = None, stop=None,
+    state: Optional[LoopState] = None, checkpointer=None, sample_log: Optional[Path] = None, stop=None, watch=None,
 ) -> LoopState:
     """Train until the planned step count or the token budget is reached.
 
@@ -102,6 +102,7 @@ def fit(
     A resumed ``state`` continues at its (epoch, step): the sample order is a pure
     function of them, so no batch is replayed or skipped. When ``stop`` has noted a
     signal on any rank, every rank ends after the same step with a checkpoint.
+    ``watch`` (a cluster.PeerWatch) hears which step this rank is in.
     """
     state = state or LoopState()
     order = SampleOrder(
@@ -118,6 +119,8 @@ def fit(
     start_step = state.step
     module.train()
     while state.step < total_steps and (train.max_tokens is None or state.tokens < train.max_tokens):
+        if watch is not None:
+            watch.at(state.step + 1)
         if state.epoch_step >= order.steps_per_epoch:
             state.epoch, state.epoch_step = state.epoch + 1, 0
         indices = order.micro_batches(state.epoch, state.epoch_step)

@@ -171,7 +171,7 @@ def on_rank_zero(fabric, fn: Callable, stage: str) -> None:
 def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     """The single path every job takes, from flags to an exported model."""
     from litft.checkpoint import resolve_resume
-    from litft.cluster import StopSignals, apply_launcher_env, join_torchrun_group, preflight, restarted
+    from litft.cluster import PeerWatch, StopSignals, apply_launcher_env, join_torchrun_group, preflight, restarted
     from litft.loop import fit, plan_steps
     from litft.model import load_tokenizer, resolve_model
     from litft.strategy import (
@@ -243,10 +243,10 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     if run.train.record_sample_ids:
         sample_log = run.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
         sample_log.parent.mkdir(parents=True, exist_ok=True)
-    with StopSignals() as stop:
+    with StopSignals() as stop, PeerWatch.for_run(fabric, run.devices) as watch:
         state = fit(
             fabric, module, optimizer, scheduler, data, run.train, run.eval, run.seed, tokenizer, total_steps,
-            state=state, checkpointer=checkpointer, sample_log=sample_log, stop=stop,
+            state=state, checkpointer=checkpointer, sample_log=sample_log, stop=stop, watch=watch,
         )
     if state.stopped_by:
         saved = f"checkpoint {checkpointer.last_path}" if checkpointer.last_path else "no checkpoint (no step was trained)"

@@ -73,6 +73,34 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(tmp_path, uninterrupt
     assert_same_final_loss(out, uninterrupted)
 
 
+def test_frozen_rank_is_named_within_seconds(tmp_path):
+    """Rank 1 is frozen (SIGSTOP) mid-run: rank 0 names it and exits instead of waiting 30 minutes in a collective."""
+    args = ["finetune_full", *ARGS, "--train.max_steps", "20", "--devices", "2", "--train.micro_batch_size", "2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "litft", *args, "--out_dir", str(tmp_path / "frozen")], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1", LITFT_COLLECTIVE_TIMEOUT="3"),
+    )
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 2/20"):
+            break
+    rank_1 = int(open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()[0])  # the process litft started
+    os.kill(rank_1, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        status = proc.wait(timeout=120)
+        waited = time.monotonic() - frozen_at
+    finally:
+        os.kill(rank_1, signal.SIGKILL)  # it holds the output pipe open
+    lines += proc.stdout.readlines()
+    named = [line for line in lines if line.startswith("litft: error: step ")]
+    assert status == 1 and named, "".join(lines)[-3000:]
+    assert "for rank 1 (node 0): no sign of life" in named[0] and "the launcher restarts the run" in named[0], named
+    assert waited < 30, waited  # LITFT_COLLECTIVE_TIMEOUT plus a few beats
+    print(f"named {waited:.1f} s after the freeze: {named[0].strip()}")
+
+
 DIE_ONCE_AFTER_STEP_4 = """
 import os, signal, sys
 import litft.checkpoint as checkpoint

@@ -109,3 +109,31 @@ def test_a_restarted_run_is_recognised(monkeypatch):
     assert restarted() == "SLURM requeue 2"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert restarted() == "torchrun restart 1"
+
+
+def test_peer_watch_names_a_frozen_rank_and_a_straggler():
+    """Three ranks' records in a real store: rank 1 keeps beating in step 7, rank 2 stopped beating."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from litft.cluster import PeerWatch
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    watch = PeerWatch(rank=0, world_size=3, devices=2, timeout=0.5, store=store)
+    watch.at(8)
+    watch._publish()
+    store.set("2", "5 8")
+
+    def rank_1_in_step_7():
+        alive = PeerWatch(rank=1, world_size=3, devices=2, timeout=0.5, store=store)
+        alive.at(7)
+        return alive
+
+    with rank_1_in_step_7():
+        verdict, fatal = watch.verdict()
+    assert fatal and "for rank 2 (node 1): no sign of life" in verdict, verdict
+    store.set("2", "done")  # a rank that left the loop is not missing
+    with rank_1_in_step_7():
+        verdict, fatal = watch.verdict()
+    assert not fatal and "for rank 1 (node 0), alive but still in an earlier step" in verdict, verdict
