@@ -41,6 +41,8 @@ class TrainArgs:
     """Write a resumable checkpoint to out_dir/checkpoints every this many optimizer steps (one is always written at the end; null: only then)."""
     keep_checkpoints: int = 2
     """Finished checkpoints kept in out_dir/checkpoints; older ones are deleted once a newer one is complete."""
+    peak_tflops: Optional[float] = None
+    """Dense peak TFLOP/s of one device at the run's precision, for MFU (default: litft/flops.py's table for known GPUs; none for the CPU)."""
     record_sample_ids: bool = False
     """Each rank writes the indices of the samples it trained on, per step, to out_dir/logs/samples/rank-N.jsonl (to audit data order across resumes)."""
 

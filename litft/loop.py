@@ -52,6 +52,17 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
+def peak_memory_by_rank(fabric) -> Dict[str, float]:
+    """Every rank's peak memory (GB) so far, the largest first: the rank that runs out is rarely rank 0."""
+    local = torch.tensor([peak_memory_gb(fabric.device)], dtype=torch.float64, device=fabric.device)
+    peaks = fabric.all_gather(local).flatten().tolist() if fabric.world_size > 1 else [local.item()]
+    fullest = max(range(len(peaks)), key=peaks.__getitem__)
+    metrics = {"peak_memory_gb": peaks[fullest], "peak_memory_rank": fullest}
+    if len(peaks) > 1:
+        metrics.update({f"peak_memory_gb/rank_{r}": gb for r, gb in enumerate(peaks)})
+    return metrics
+
+
 class Progress:
     """Rank 0's view of the run: a live bar on a terminal, one line per log step otherwise."""
 
@@ -68,6 +79,12 @@ class Progress:
         if not self.enabled:
             return
         text = f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:,.0f} tok/s"
+        if "mfu" in metrics:
+            text += f" | MFU {metrics['mfu']:.1%}"
+        elif "tflops_per_s_per_device" in metrics:
+            text += f" | {metrics['tflops_per_s_per_device']:.2f} TFLOP/s/device"
+        rank = f" (rank {metrics['peak_memory_rank']})" if any(k.startswith("peak_memory_gb/") for k in metrics) else ""
+        text += f" | peak mem {metrics['peak_memory_gb']:.2f} GB{rank}"
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(step - self.bar.n)
@@ -90,7 +107,7 @@ class Progress:
 
 def fit(
     fabric, module, optimizer, scheduler, data: PreparedData, train: TrainArgs, eval: EvalArgs, seed: int, tokenizer, total_steps: int,
-    state: Optional[LoopState] = None, checkpointer=None, sample_log: Optional[Path] = None, stop=None, watch=None,
+    state: Optional[LoopState] = None, checkpointer=None, sample_log: Optional[Path] = None, stop=None, watch=None, flops=None,
 ) -> LoopState:
     """Train until the planned step count or the token budget is reached.
 
@@ -102,7 +119,8 @@ def fit(
     A resumed ``state`` continues at its (epoch, step): the sample order is a pure
     function of them, so no batch is replayed or skipped. When ``stop`` has noted a
     signal on any rank, every rank ends after the same step with a checkpoint.
-    ``watch`` (a cluster.PeerWatch) hears which step this rank is in.
+    ``watch`` (a cluster.PeerWatch) hears which step this rank is in; ``flops`` (a
+    flops.StepFlops) turns the tokens trained into TFLOP/s and MFU.
     """
     state = state or LoopState()
     order = SampleOrder(
@@ -114,7 +132,7 @@ def fit(
     if eval.initial_validation and state.step == 0:
         _validate_and_log(fabric, module, data, train, eval, tokenizer, state, progress, scoring=True)
 
-    window_start, window_tokens, window_samples = time.perf_counter(), 0, 0
+    window_start, window_tokens, window_samples, window_flops = time.perf_counter(), 0, 0, 0.0
     run_start = time.perf_counter()
     start_step = state.step
     module.train()
@@ -129,14 +147,16 @@ def fit(
                 f.write(json.dumps({"step": state.step + 1, "epoch": state.epoch, "ids": [i for idx in indices for i in idx]}) + "\n")
         micro = [collate([data.train[i] for i in idx], pad_id) for idx in indices]
         # One all-reduce before the step: loss-carrying tokens (for the scale), input tokens, samples,
-        # and whether any rank was asked to stop.
+        # whether any rank was asked to stop, and the step's model FLOPs.
         asked = stop is not None and stop.received is not None
+        step_flops = sum(flops.of_row(len(data.train[i]["input_ids"])) for idx in indices for i in idx) if flops else 0.0
         counts = torch.tensor(
-            [sum(target_tokens(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro), float(asked)],
+            [sum(target_tokens(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro), float(asked), step_flops],
             dtype=torch.float64,
             device=fabric.device,
         )
-        global_targets, step_tokens, step_samples, stopping = (int(c) for c in fabric.all_reduce(counts, reduce_op="sum").tolist())
+        *summed, step_flops = fabric.all_reduce(counts, reduce_op="sum").tolist()
+        global_targets, step_tokens, step_samples, stopping = (int(c) for c in summed)
         if stopping:
             state.stopped_by = stop.received if asked else "a signal to another rank"
             break
@@ -163,6 +183,7 @@ def fit(
         state.samples += step_samples
         window_tokens += step_tokens
         window_samples += step_samples
+        window_flops += step_flops
 
         metrics = {"loss": loss_total / max(global_targets, 1), "lr": lr, "epoch": state.epoch, "tokens": state.tokens}
         if state.step == start_step + 1:
@@ -181,12 +202,16 @@ def fit(
                 tokens_per_s=window_tokens / elapsed,
                 tokens_per_s_per_device=window_tokens / elapsed / fabric.world_size,
                 samples_per_s=window_samples / elapsed,
-                peak_memory_gb=peak_memory_gb(fabric.device),
             )
+            if flops is not None:
+                metrics["tflops_per_s_per_device"] = window_flops / elapsed / fabric.world_size / 1e12
+                if flops.peak:
+                    metrics["mfu"] = window_flops / elapsed / fabric.world_size / flops.peak
+            metrics.update(peak_memory_by_rank(fabric))
             fabric.log_dict(metrics, step=state.step)
             per_step = (time.perf_counter() - run_start) / (state.step - start_step)
             progress.update(state.step, metrics, per_step * (total_steps - state.step))
-            window_start, window_tokens, window_samples = time.perf_counter(), 0, 0
+            window_start, window_tokens, window_samples, window_flops = time.perf_counter(), 0, 0, 0.0
         state.history.append(metrics)
 
         if eval.interval and state.step % eval.interval == 0 and state.step < total_steps:

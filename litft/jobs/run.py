@@ -172,6 +172,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     """The single path every job takes, from flags to an exported model."""
     from litft.checkpoint import resolve_resume
     from litft.cluster import PeerWatch, StopSignals, apply_launcher_env, join_torchrun_group, preflight, restarted
+    from litft.flops import StepFlops
     from litft.loop import fit, plan_steps
     from litft.model import load_tokenizer, resolve_model
     from litft.strategy import (
@@ -247,6 +248,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
         state = fit(
             fabric, module, optimizer, scheduler, data, run.train, run.eval, run.seed, tokenizer, total_steps,
             state=state, checkpointer=checkpointer, sample_log=sample_log, stop=stop, watch=watch,
+            flops=StepFlops.for_model(model, precision, fabric.device, run.train.peak_tflops),
         )
     if state.stopped_by:
         saved = f"checkpoint {checkpointer.last_path}" if checkpointer.last_path else "no checkpoint (no step was trained)"

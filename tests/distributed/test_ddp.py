@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.conftest import run_cli, step_losses
+from tests.conftest import read_metrics, run_cli, step_losses
 
 COMMON = [
     "--data", "TinyTasks", "--data.num_train", "128", "--data.num_val", "16",
@@ -23,14 +23,26 @@ COMMON = [
 def test_ddp_matches_single_process(tmp_path, job, extra):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     # One process accumulates 2 micro-batches of 4; two processes take 2 micro-batches of 2 each.
-    run_cli(job, *COMMON, *extra, "--train.micro_batch_size", "4", "--out_dir", single)
-    run_cli(job, *COMMON, *extra, "--train.micro_batch_size", "2", "--devices", "2", "--strategy", "ddp", "--out_dir", ddp)
+    run_cli(job, *COMMON, *extra, "--train.micro_batch_size", "4", "--train.peak_tflops", "0.5", "--out_dir", single)
+    run_cli(job, *COMMON, *extra, "--train.micro_batch_size", "2", "--devices", "2", "--strategy", "ddp", "--train.peak_tflops", "0.5", "--out_dir", ddp)
     reference, distributed = step_losses(single), step_losses(ddp)
     assert len(reference) == len(distributed) == 5
     assert reference[-1] < reference[0]
     for a, b in zip(reference, distributed):
         assert abs(a - b) <= 1e-5 * abs(a), (reference, distributed)
     assert (ddp / "final" / "model.safetensors").is_file()
+    # The same global batches are the same model FLOPs, however many ranks share them.
+    assert flops_per_token_logged(single) == pytest.approx(flops_per_token_logged(ddp), rel=1e-9)
+    rows = [r for r in read_metrics(ddp) if "mfu" in r]
+    assert all(r["mfu"] == pytest.approx(r["tflops_per_s_per_device"] / 0.5) for r in rows)
+    assert all(r["peak_memory_gb"] == max(r["peak_memory_gb/rank_0"], r["peak_memory_gb/rank_1"]) > 0 for r in rows)
+
+
+def flops_per_token_logged(out_dir):
+    """Model FLOPs per token of each step, from the logged rates: TFLOP/s of all devices over tokens/s."""
+    rows = [r for r in read_metrics(out_dir) if "tflops_per_s_per_device" in r]
+    world = round(rows[0]["tokens_per_s"] / rows[0]["tokens_per_s_per_device"])
+    return [r["tflops_per_s_per_device"] * 1e12 * world / r["tokens_per_s"] for r in rows]
 
 
 def test_uneven_validation_shards_match_single_process(tmp_path):

@@ -1,0 +1,380 @@
+"""Training FLOPs per token, peak FLOP/s of common accelerators, and MFU.
+
+MFU (model FLOPs utilization) is the share of the accelerator's dense peak that
+the model's own arithmetic uses: ``tokens/s/device * FLOPs/token / peak``. It
+compares runs across models, sequence lengths and hardware, where tokens/s alone
+does not.
+
+Counting conventions, chosen so that the numbers agree with
+``torch.utils.flop_counter.FlopCounterMode`` and with published MFU figures:
+
+- Only matrix multiplications count (2 FLOPs per multiply-add). Norms, softmax,
+  activations, rotary embeddings and the loss are elementwise and left out, as
+  in PaLM (Chowdhery et al. 2022, appendix B) and Megatron-LM (Narayanan et al.
+  2021). The embedding lookup is a gather, not a matmul.
+- Attention scores (Q K^T) and the weighted sum (P V) are counted over the full
+  ``seq_len x seq_len`` square even though the mask is causal: the PaLM and
+  Megatron convention, and what FlopCounterMode reports for eager attention
+  and for the CUDA SDPA kernels, causal or not (it does not count the CPU SDPA
+  kernel at all). ``causal=True`` counts half the square instead (the
+  FlashAttention benchmarks' convention), for kernels that skip the masked half.
+- Grouped-query attention: k and v projections are ``hidden x kv_heads*head_dim``.
+- Gated MLPs (SwiGLU/GeGLU: llama, mistral, qwen2, gemma, ...) are three
+  ``hidden x intermediate`` matmuls; plain MLPs two.
+- Backward of a matmul whose weight trains costs twice its forward (input
+  gradient and weight gradient), so full training is 3x forward.
+- LoRA freezes the base: its matmuls need only the input gradient (1x forward
+  instead of 2x); attention scores still need both operand gradients (2x); the
+  adapters cost about 3x their own small forward. Exactly what autograd skips is
+  counted too: the first block reads the frozen embedding, so its q/k/v
+  projections get no input gradient, and with adapters on only some of its
+  linears part of its attention backward is skipped as well (see
+  ``_lora_backward``). That matters only for shallow models (about 1/layers).
+- Activation checkpointing recomputes each transformer block's forward during
+  the backward. That is work the hardware does (``recompute=True`` adds it, as
+  torch's non-reentrant checkpoint does it: all of the block but its last
+  matmul), but not work the model needs: MFU is conventionally computed without
+  it (PaLM's definition; "hardware FLOPs utilization" is the other number).
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional, Tuple, Union
+
+from litft.errors import LitftError
+
+# Model types whose MLP is gated (three matmuls). Phi-3 fuses gate and up into one
+# matmul of twice the width, which is the same count.
+GATED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo", "olmo2",
+     "granite", "cohere", "cohere2", "smollm3", "glm", "helium", "exaone"}
+)
+PLAIN_MLP_MODEL_TYPES = frozenset(
+    {"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "falcon", "phi", "starcoder2", "bloom", "stablelm"}
+)
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a decoder-only transformer that set its matmul FLOPs."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    gated: bool
+
+    def linears(self) -> Dict[str, Tuple[int, int]]:
+        """(in, out) features of every linear layer of one block, by the module names llama-style models use."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        shapes = {
+            "q_proj": (self.hidden, q),
+            "k_proj": (self.hidden, kv),
+            "v_proj": (self.hidden, kv),
+            "o_proj": (q, self.hidden),
+            "up_proj": (self.hidden, self.intermediate),
+            "down_proj": (self.intermediate, self.hidden),
+        }
+        if self.gated:
+            shapes["gate_proj"] = (self.hidden, self.intermediate)
+        return shapes
+
+
+def _get(config, name: str, default=None):
+    value = config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+    return default if value is None else value
+
+
+def model_shape(config, gated: Optional[bool] = None) -> ModelShape:
+    """Read a Hugging Face config (object or dict) into a :class:`ModelShape`.
+
+    ``gated`` overrides the MLP kind for model types this module does not know;
+    otherwise unknown types with a SiLU activation are taken as SwiGLU.
+    """
+    if not isinstance(config, dict) and hasattr(config, "get_text_config"):
+        config = config.get_text_config()  # multimodal configs keep the language model in a sub-config
+    if max(_get(config, "num_local_experts", 0), _get(config, "num_experts", 0)) > 1:
+        raise LitftError("FLOPs of mixture-of-experts models are not supported yet; MFU will not be reported")
+    try:
+        hidden = int(_get(config, "hidden_size"))
+        layers = int(_get(config, "num_hidden_layers"))
+        heads = int(_get(config, "num_attention_heads"))
+        vocab = int(_get(config, "vocab_size"))
+    except TypeError:
+        raise LitftError("the model config lacks hidden_size, num_hidden_layers, num_attention_heads or vocab_size") from None
+    kv_heads = int(_get(config, "num_key_value_heads", heads))
+    head_dim = int(_get(config, "head_dim", hidden // heads))
+    intermediate = int(_get(config, "intermediate_size") or _get(config, "n_inner") or _get(config, "ffn_dim") or 4 * hidden)
+    if gated is None:
+        model_type = _get(config, "model_type", "")
+        if model_type in GATED_MODEL_TYPES:
+            gated = True
+        elif model_type in PLAIN_MLP_MODEL_TYPES:
+            gated = False
+        else:
+            gated = str(_get(config, "hidden_act", "")) in ("silu", "swish")
+    return ModelShape(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, gated)
+
+
+def _lora_targets(shape: ModelShape, targets: Union[str, Iterable[str]]) -> Tuple[str, ...]:
+    """The block's linear layers that carry adapters; "all-linear" is every one but the output head, as in peft."""
+    linears = shape.linears()
+    if isinstance(targets, str):
+        targets = list(linears) if targets == "all-linear" else [targets]
+    chosen = tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in targets))
+    if not chosen:
+        raise LitftError("LoRA needs at least one target module")
+    unknown = [t for t in chosen if t not in linears]
+    if unknown:
+        raise LitftError(f"cannot count FLOPs of LoRA on {unknown}; known linear layers are {sorted(linears)}")
+    return chosen
+
+
+def flops_per_token(
+    config,
+    seq_len: int,
+    trained: str = "all",
+    lora_r: Optional[int] = None,
+    lora_targets: Union[str, Iterable[str]] = "all-linear",
+    recompute: bool = False,
+    causal: bool = False,
+    gated: Optional[bool] = None,
+) -> float:
+    """FLOPs of one training step (forward + backward) per token of a ``seq_len`` sequence.
+
+    ``trained``: "all" (full finetune or pretraining) or "lora" (frozen base, adapters of
+    rank ``lora_r`` on ``lora_targets``, module names or "all-linear" as peft takes them).
+    ``recompute=True`` gives hardware FLOPs under activation checkpointing: the blocks'
+    forward that is redone, and under LoRA the first block's full backward (peft makes the
+    embedding output require a gradient then). Leave it False for MFU. ``causal=True``
+    counts half the attention square. See the module docstring for every convention.
+
+    For a dense decoder this is close to ``6 * params`` (full) plus attention; the
+    difference from that rule of thumb is the embedding (no matmul) and the attention.
+    """
+    if trained not in ("all", "lora"):
+        raise LitftError(f"trained must be 'all' or 'lora', got {trained!r}")
+    if seq_len < 1:
+        raise LitftError(f"seq_len must be at least 1, got {seq_len}")
+    shape = model_shape(config, gated=gated)
+    linears = shape.linears()
+    matmul = {name: 2 * d_in * d_out for name, (d_in, d_out) in linears.items()}  # forward FLOPs per token
+
+    span = seq_len / 2 if causal else seq_len  # keys each query is multiplied with
+    attention = 2 * 2 * shape.heads * shape.head_dim * span  # Q K^T and P V
+    block = sum(matmul.values()) + attention
+    head = 2 * shape.hidden * shape.vocab
+    forward = shape.layers * block + head
+
+    # Checkpointed blocks run their forward again in the backward; torch's non-reentrant
+    # checkpoint (what litft uses) stops once every tensor the backward saved is back, so the
+    # block's last matmul (down_proj, or its adapter's B under LoRA) is not redone.
+    if trained == "all":
+        total = 3 * forward
+        recomputed = shape.layers * (block - matmul["down_proj"])
+    else:
+        if lora_r is None or lora_r < 1:
+            raise LitftError("trained='lora' needs lora_r >= 1")
+        targets = _lora_targets(shape, lora_targets)
+        adapter_forward = sum(2 * lora_r * (linears[t][0] + linears[t][1]) for t in targets)
+        # With checkpointing on, peft makes the embedding output require a gradient
+        # (enable_input_require_grads), so the hardware does the first block's full backward.
+        backward = _lora_backward(shape, matmul, attention, targets, lora_r, embedding_grad=recompute) + head
+        total = forward + shape.layers * adapter_forward + backward
+        last = 2 * lora_r * linears["down_proj"][1] if "down_proj" in targets else matmul["down_proj"]
+        recomputed = shape.layers * (block + adapter_forward - last)
+    return float(total + (recomputed if recompute else 0))
+
+
+def _lora_backward(
+    shape: ModelShape, matmul: Dict[str, int], attention: float, targets: Tuple[str, ...], r: int, embedding_grad: bool = False
+) -> float:
+    """Backward FLOPs per token of the blocks under LoRA: what autograd computes, and no more.
+
+    A frozen matmul needs its input gradient only where its input depends on a trainable
+    tensor. The first block reads the frozen embedding, so what it skips depends on which
+    of its linears carry adapters; from its output on, everything needs gradients.
+    """
+    linears = shape.linears()
+    half = attention / 2  # Q K^T or P V, forward
+
+    def linear(name: str, input_needs_grad: bool) -> Tuple[float, bool]:
+        """Backward FLOPs of one (possibly adapted) linear, and whether its output needs a gradient."""
+        d_in, d_out = linears[name]
+        flops = matmul[name] if input_needs_grad else 0  # frozen weight: input gradient only
+        if name in targets:
+            # dA and dB (weights), B's input gradient, A's input gradient where the input needs one.
+            flops += 2 * r * (d_in + 2 * d_out) + (2 * r * d_in if input_needs_grad else 0)
+        return flops, input_needs_grad or name in targets
+
+    total, needs = 0.0, embedding_grad  # a frozen embedding's output needs no gradient
+    for _ in range(shape.layers):
+        (fq, q), (fk, k), (fv, v) = (linear(n, needs) for n in ("q_proj", "k_proj", "v_proj"))
+        scores = q or k
+        # dQ and dK of the scores, dP and dV of the weighted sum: each costs one forward half.
+        total += fq + fk + fv + half * (q + k + scores + v)
+        fo, attn_out = linear("o_proj", scores or v)
+        residual = needs or attn_out
+        fu, up = linear("up_proj", residual)
+        fg, gate = linear("gate_proj", residual) if shape.gated else (0, False)
+        fd, mlp_out = linear("down_proj", up or gate)
+        total += fo + fu + fg + fd
+        needs = residual or mlp_out
+    return total
+
+
+# Dense (no 2:4 sparsity) peak TFLOP/s per device, from the vendors' datasheets; where a
+# datasheet gives only the sparse figure (marked *), the dense one is half of it.
+# "fp32" is the plain (CUDA-core / vector) rate; "tf32" the tensor-core rate for fp32
+# matmuls when TF32 is enabled. fp16/bf16 are with fp32 accumulation, as training uses.
+PEAK_TFLOPS: Dict[str, Dict[str, Optional[float]]] = {
+    # H100 datasheet: SXM BF16/FP16 1,979*, TF32 989*, FP32 67; PCIe 1,513*, 756*, 51; NVL 1,671*, 835*, 60.
+    "H100 SXM": {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0},
+    "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.0},
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    # H200 datasheet: the H100 SXM's compute with more memory; H200 NVL as the H100 NVL.
+    "H200": {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0},
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0},
+    # GH200 datasheet: its Hopper GPU is rated as the H100 SXM (BF16 1,979*, TF32 989*, FP32 67).
+    "GH200": {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0},
+    # B200 (HGX, 1,000 W) datasheet: FP16/BF16 4.5 PF*, TF32 2.2 PF*, FP32 75 TF.
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},
+    # A100 datasheet (40 GB and 80 GB, SXM and PCIe alike): BF16/FP16 312, TF32 156, FP32 19.5.
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    # A10 datasheet: BF16/FP16 125, TF32 62.5, FP32 31.2.
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    # A10G (AWS G5): no NVIDIA datasheet; the commonly cited figures (e.g. Baseten's
+    # "A10 vs A10G"): BF16/FP16 70, TF32 35, FP32 35.
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 35.0},
+    # L4 datasheet: BF16/FP16 242*, TF32 120*, FP32 30.3.
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    # L40S datasheet: BF16/FP16 362.05 (733*), TF32 183 (366*), FP32 91.6.
+    "L40S": {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
+    # Ada whitepaper, RTX 4090: FP16/BF16 tensor with FP32 accumulate 165.2, TF32 82.6, FP32 82.6.
+    "RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+    # Ampere GA102 whitepaper, RTX 3090: FP16/BF16 tensor with FP32 accumulate 71, TF32 35.6, FP32 35.6.
+    "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
+    # V100 datasheet: SXM2 tensor (FP16) 125, FP32 15.7; PCIe 112, 14; V100S PCIe 130, 16.4.
+    # Volta has neither bf16 nor TF32: fp32 matmuls run at the FP32 rate.
+    "V100 SXM2": {"bf16": None, "fp16": 125.0, "tf32": 15.7, "fp32": 15.7},
+    "V100 PCIe": {"bf16": None, "fp16": 112.0, "tf32": 14.0, "fp32": 14.0},
+    "V100S PCIe": {"bf16": None, "fp16": 130.0, "tf32": 16.4, "fp32": 16.4},
+    # AMD Instinct MI300X datasheet: FP16/BF16 1,307.4, TF32 653.7, FP32 (matrix and vector) 163.4.
+    "MI300X": {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4},
+}
+
+# torch.cuda.get_device_name() strings to table keys, tried in order: more specific names
+# first ("GH200" before "H200", "H100 NVL"/"PCIe" before plain H100, "A10G" before "A10").
+_DEVICE_PATTERNS = [
+    (r"\bGH200\b", "GH200"),
+    (r"\bH200\b.*\bNVL\b", "H200 NVL"),
+    (r"\bH200\b", "H200"),
+    (r"\bH100\b.*\bNVL\b", "H100 NVL"),
+    (r"\bH100\b.*\bPCIe\b", "H100 PCIe"),
+    (r"\bH100\b", "H100 SXM"),  # "NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM5 ..."
+    (r"\bB200\b", "B200"),  # not GB200, whose clocks and ratings differ
+    (r"\bA100\b", "A100"),  # "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA A100-PCIE-40GB"
+    (r"\bA10G\b", "A10G"),
+    (r"\bA10\b", "A10"),
+    (r"\bL40S\b", "L40S"),
+    (r"\bL4\b", "L4"),
+    (r"\bRTX 4090\b(?!\s*(D\b|Laptop))", "RTX 4090"),  # the 4090 D and the laptop part are other chips
+    (r"\bRTX 3090\b(?!\s*(Ti\b|Laptop))", "RTX 3090"),
+    (r"\bV100S\b", "V100S PCIe"),
+    (r"\bV100\b.*\bPCIE\b", "V100 PCIe"),
+    (r"\bV100\b", "V100 SXM2"),
+    (r"\bMI300X\b", "MI300X"),
+]
+
+
+def device_key(device_name: str) -> Optional[str]:
+    """The :data:`PEAK_TFLOPS` entry for a ``torch.cuda.get_device_name()`` string, or None."""
+    for pattern, key in _DEVICE_PATTERNS:
+        if re.search(pattern, device_name or "", flags=re.IGNORECASE):
+            return key
+    return None
+
+
+def precision_key(precision: str) -> Optional[str]:
+    """Lightning precision flags ("bf16-mixed", "16-mixed", "32-true", ...) or dtype names to a table column.
+
+    fp32 means the plain FP32 rate; pass "tf32" when TF32 matmuls are enabled
+    (``torch.set_float32_matmul_precision("high")``). None for precisions the table lacks (fp8, fp64).
+    """
+    p = str(precision).lower()
+    if "bf16" in p or "bfloat16" in p:
+        return "bf16"
+    if "tf32" in p:
+        return "tf32"
+    if "transformer-engine" in p or "8" in p or "64" in p:
+        return None
+    if "16" in p or "half" in p:
+        return "fp16"
+    if "32" in p or p in ("float", "single"):
+        return "fp32"
+    return None
+
+
+def peak_flops(device_name: str, precision: str, override_tflops: Optional[float] = None) -> Optional[float]:
+    """Dense peak FLOP/s of one device at a precision; None where unknown (the CPU, unlisted GPUs).
+
+    ``override_tflops`` wins over the table, for unlisted hardware, power-capped parts or the CPU.
+    """
+    if override_tflops is not None:
+        if not override_tflops > 0:
+            raise LitftError(f"the peak TFLOP/s override must be positive, got {override_tflops}")
+        return float(override_tflops) * 1e12
+    key, column = device_key(device_name), precision_key(precision)
+    if key is None or column is None:
+        return None
+    tflops = PEAK_TFLOPS[key].get(column)
+    return None if tflops is None else tflops * 1e12
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: Optional[float]) -> Optional[float]:
+    """Model FLOPs utilization: the share of one device's peak FLOP/s the model's arithmetic uses."""
+    if not peak:
+        return None
+    return tokens_per_s_per_device * flops_per_token / peak
+
+
+class StepFlops:
+    """Model FLOPs of the batches a run trains on, and the peak they are measured against.
+
+    FLOPs per token are linear in the sequence length (the attention square), so two
+    coefficients give every sample's FLOPs from its length without calling
+    :func:`flops_per_token` in the loop. Counting per sample, not per padded batch,
+    makes a step's FLOPs the same however the global batch is split across ranks.
+    """
+
+    def __init__(self, config, peak: Optional[float], **kind):
+        one, two = flops_per_token(config, 1, **kind), flops_per_token(config, 2, **kind)
+        self.per_key = two - one
+        self.per_token = one - self.per_key
+        self.peak = peak
+
+    def of_row(self, length: int) -> float:
+        """FLOPs of one sample (or packed row) of ``length`` real tokens; padding is not the model's work."""
+        return length * (self.per_token + self.per_key * length)
+
+    @classmethod
+    def for_model(cls, model, precision: str, device, peak_tflops: Optional[float] = None) -> Optional["StepFlops"]:
+        """The counter for an HF model (LoRA read from its peft config), or None with a line saying why."""
+        import torch
+
+        kind = {}
+        peft_config = getattr(model, "peft_config", None)
+        if peft_config:
+            lora = next(iter(peft_config.values()))
+            kind = {"trained": "lora", "lora_r": lora.r, "lora_targets": sorted(lora.target_modules) if not isinstance(lora.target_modules, str) else lora.target_modules}
+        if precision.startswith("32") and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+            precision = "tf32"
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        peak = peak_flops(name, precision, peak_tflops)
+        try:
+            return cls(model.config, peak, **kind)
+        except LitftError as err:
+            print(f"litft: no MFU for this run: {err}", flush=True)
+            return None
