@@ -117,13 +117,10 @@ class CausalLM(L.LightningModule):
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
         logits = self(batch["input_ids"], batch.get("position_ids"))
-        targets = batch["labels"][:, 1:]
-        return F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-            targets.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        # Shift the labels, not the logits: slicing the logits copies the largest tensor of the
+        # step (and its gradient) once more; the last position's label is then ignored.
+        targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
     def training_step(self, batch: dict) -> torch.Tensor:
         return self.loss_sum(batch)
@@ -136,8 +133,11 @@ class CausalLM(L.LightningModule):
         params = [p for p in self.parameters() if p.requires_grad]
         if not params:
             raise LitftError("the model has no trainable parameter; check --lora_target_modules")
+        # The fused kernel updates every tensor in one pass: about 7x faster than the default
+        # on the CPU (benchmarks/vs_hf_trainer.py), and what HF Trainer uses.
+        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
         optimizer = torch.optim.AdamW(
-            params, lr=args.learning_rate, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay
+            params, lr=args.learning_rate, betas=(args.beta1, args.beta2), weight_decay=args.weight_decay, fused=fused or None
         )
         min_ratio = args.min_lr / args.learning_rate if args.learning_rate else 0.0
         scheduler = torch.optim.lr_scheduler.LambdaLR(
