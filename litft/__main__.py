@@ -5,9 +5,10 @@ import sys
 
 def parser_jobs():
     from litft.convert import convert
+    from litft.estimate import estimate
     from litft.jobs import finetune_full, finetune_lora, pretrain
 
-    return {"pretrain": pretrain, "finetune_lora": finetune_lora, "finetune_full": finetune_full, "convert": convert}
+    return {"pretrain": pretrain, "finetune_lora": finetune_lora, "finetune_full": finetune_full, "convert": convert, "estimate": estimate}
 
 
 def configure_jsonargparse() -> None:

@@ -1,0 +1,219 @@
+"""``litft estimate`` against what real steps hold, the sharding arithmetic of each strategy, and its CLI."""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from litft.args import DeepSpeedArgs, FSDPArgs, TrainArgs
+from litft.estimate import GiB, Param, per_rank_states, render
+from litft.strategy import Parallelism
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "config_hub" / "models" / "llama-3.2-1b"
+
+
+# ---------------------------------------------------------------- sharding arithmetic, on made-up tensors
+
+# Two blocks, tied embeddings in the root unit, one frozen tensor; every dim 0 divisible by 8.
+TENSORS = [
+    Param("embed", (1024, 64), 4, True, "root"),
+    Param("block.0.w", (256, 64), 4, True, "block.0"),
+    Param("block.0.frozen", (128, 64), 4, False, "block.0"),
+    Param("block.1.w", (256, 64), 4, True, "block.1"),
+]
+ALL = sum(t.nbytes for t in TENSORS)
+TRAINED = sum(t.nbytes for t in TENSORS if t.trainable)
+
+
+def states(strategy="auto", devices=1, num_nodes=1, fsdp=FSDPArgs(), deepspeed=DeepSpeedArgs(), tensors=TENSORS, precision="32-true"):
+    layout = Parallelism(strategy, devices, num_nodes, fsdp, deepspeed)
+    zero = None
+    if strategy == "deepspeed":
+        from litft.strategy import deepspeed_config
+
+        train = TrainArgs(global_batch_size=layout.world_size, micro_batch_size=1)
+        zero = deepspeed_config(deepspeed, train, layout.world_size, precision)["zero_optimization"]
+    got = per_rank_states(tensors, layout, precision, zero)
+    return got, {name: row for name, row in got.buffers}
+
+
+def test_one_process_and_ddp_hold_everything():
+    single, buffers = states()
+    assert (single.params.gpu, single.grads.gpu) == (ALL, TRAINED)
+    assert single.optimizer.gpu == 2 * TRAINED + 4 * 3 and not buffers  # exp_avg, exp_avg_sq, a 4-byte step per tensor
+    ddp, buffers = states("ddp", devices=4)
+    assert (ddp.params.gpu, ddp.grads.gpu, ddp.optimizer.gpu) == (ALL, TRAINED, single.optimizer.gpu)
+    assert buffers["DDP gradient buckets"].gpu == TRAINED
+
+
+@pytest.mark.parametrize(
+    "kind, devices, nodes, shard",
+    [("FULL_SHARD", 8, 1, 8), ("SHARD_GRAD_OP", 4, 2, 8), ("HYBRID_SHARD", 4, 2, 4), ("NO_SHARD", 4, 2, 1)],
+)
+def test_fsdp_shards_over_its_shard_group(kind, devices, nodes, shard):
+    got, buffers = states("fsdp", devices, nodes, FSDPArgs(sharding_strategy=kind))
+    assert got.params.gpu == ALL / shard and got.grads.gpu == TRAINED / shard
+    assert got.optimizer.gpu == 2 * TRAINED / shard + 4 * 3
+    blocks = {u: sum(t.nbytes for t in TENSORS if t.unit == u) for u in ("block.0", "block.1")}
+    root = TENSORS[0].nbytes
+    gathered = root + sum(blocks.values())  # SHARD_GRAD_OP keeps both; else the one in use and the next, prefetched
+    assert buffers["FSDP all-gathered parameters"].gpu == gathered
+
+
+def test_fsdp_rank_zero_takes_the_larger_chunk_and_4bit_weights_stay_whole():
+    odd = [Param("w", (10, 3), 4, True, "block.0"), Param("q", (64, 64), 0.5, False, "block.0", quantized=True, quant_state=300)]
+    got, _ = states("fsdp", 4, 1, FSDPArgs(sharding_strategy="FULL_SHARD"), tensors=odd)
+    assert got.params.gpu == 3 * 3 * 4 + 64 * 64 / 2 + 300  # ceil(10 / 4) rows of w; q ignored by FSDP
+
+
+def test_fsdp_cpu_offload_moves_the_shards_to_cpu():
+    got, _ = states("fsdp", 8, 1, FSDPArgs(sharding_strategy="FULL_SHARD", cpu_offload=True))
+    assert got.params.gpu == got.grads.gpu == got.optimizer.gpu == 0
+    assert (got.params.cpu, got.grads.cpu) == (ALL / 8, TRAINED / 8)
+
+
+@pytest.mark.parametrize(
+    "stage, params, grads",
+    [(0, ALL, TRAINED), (1, ALL, TRAINED), (2, ALL, TRAINED / 4), (3, ALL / 4, TRAINED / 4)],
+)
+def test_zero_stages_partition_more_and_more(stage, params, grads):
+    got, buffers = states("deepspeed", 4, 1, deepspeed=DeepSpeedArgs(stage=stage))
+    elements = TRAINED // 4
+    assert (got.params.gpu, got.grads.gpu) == (params, grads)
+    # Stage 0 runs the client AdamW on whole fp32 gradients; from stage 1 on, an fp32 master partition joins Adam's two states.
+    assert got.optimizer.gpu == (2 * TRAINED + 4 * 3 if stage == 0 else 12 * elements / 4 + 4)
+    assert ("DeepSpeed reduce bucket" in buffers) == (stage > 0)
+
+
+def test_zero_offload_moves_bytes_to_the_cpu_column():
+    on_gpu, _ = states("deepspeed", 4, 1, deepspeed=DeepSpeedArgs(stage=3))
+    got, _ = states("deepspeed", 4, 1, deepspeed=DeepSpeedArgs(stage=3, offload_optimizer="cpu", offload_parameters="cpu"))
+    assert got.params.gpu == got.grads.gpu == got.optimizer.gpu == 0
+    assert (got.params.cpu, got.optimizer.cpu) == (on_gpu.params.gpu, on_gpu.optimizer.gpu)
+    assert got.grads.cpu == 4 * (TRAINED // 4) / 4  # the fp32 gradient partition beside the optimizer
+
+
+# ---------------------------------------------------------------- against a real step, in this process
+
+
+@pytest.mark.parametrize("quantize", [None, "bnb.nf4-dq"])
+def test_model_states_match_a_real_step(tiny_dir, quantize):
+    """The job's own module (jobs.run.build_module), one step, then strategy.model_state_bytes: trained adapters
+    beside a frozen (or 4-bit) base. Full finetunes and two-rank layouts are checked against real runs' logs
+    by benchmarks/estimate_check.py."""
+    job = "finetune_lora"
+    from litft.estimate import build_model, model_tensors
+    from litft.jobs.run import EvalArgs, LoraSpec, Run, build_module
+    from litft.lora import apply_lora
+    from litft.model import load_config
+    from litft.strategy import model_state_bytes
+
+    lora = dict(r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    run = Run(
+        job=job, model=str(tiny_dir), data=None, out_dir=Path("."), precision="32-true", devices=1, num_nodes=1, strategy="auto",
+        accelerator="cpu", seed=0, overwrite=False, train=TrainArgs(), eval=EvalArgs(), quantize=quantize,
+        lora=LoraSpec(**lora),
+    )
+    transform = lambda m: apply_lora(m, **lora, quantized=quantize is not None, gradient_checkpointing=False)  # noqa: E731
+    lm = build_module(run, str(tiny_dir), "32-true", torch.device("cpu"), transform, total_steps=1)
+    lm.materialize(lm)
+    tokens = torch.randint(0, 300, (2, 16))
+    optimizer = lm.configure_optimizers()["optimizer"]
+    lm.training_step({"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(16).expand(2, -1)}).backward()
+    optimizer.step()
+    held = model_state_bytes(types.SimpleNamespace(strategy=None), lm, optimizer)
+
+    tensors = model_tensors(build_model(load_config(str(tiny_dir)), "32-true", quantize, lora, False), quantize)
+    got = per_rank_states(tensors, Parallelism("auto", 1, 1, FSDPArgs(), DeepSpeedArgs()), "32-true", None)
+    quant_state = sum(t.quant_state for t in tensors)
+    assert got.params.gpu - quant_state == held["params"]
+    assert (got.grads.gpu, got.optimizer.gpu) == (held["grads"], held["optimizer"])
+    if quantize:  # bitsandbytes' absmax, nested absmax and codes beside the packed weights
+        states_ = [p.quant_state for p in lm.parameters() if type(p).__name__ == "Params4bit"]
+        parts = [[s.absmax, s.code, s.state2.absmax, s.state2.code, s.offset] for s in states_]
+        assert quant_state == sum(t.numel() * t.element_size() for part in parts for t in part)
+
+
+def test_saved_activations_match_saved_tensors_hooks():
+    """What the fake-tensor trace (1 and 2 blocks, extrapolated to 4) says the forward keeps for backward,
+    against the storages autograd hands to saved_tensors_hooks in a real 4-block step: LoRA (dropout
+    copies, fp32 adapters) under bf16 autocast (cached weight casts), the fp32 loss over the vocabulary.
+    The peak over the whole step, with and without checkpointing, is checked by benchmarks/estimate_check.py."""
+    from transformers import LlamaConfig
+
+    from litft.estimate import build_model, compute_view, measure_step, trace_activations
+    from litft.model import CausalLM
+    from litft.weights import Materializer
+
+    config = LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    build = dict(precision="bf16-mixed", quantize=None, lora=dict(r=4, alpha=8, dropout=0.05, target_modules="all-linear"))
+    lm = CausalLM(build_model(config, **build, gradient_checkpointing=False), TrainArgs())
+    Materializer(lm.model, lm.hf_model, None, seed=0)(lm)
+    lm.train()
+    tokens = torch.randint(0, 384, (2, 128))
+    batch = {"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(128).expand(2, -1)}
+    measured = measure_step(lm, batch, torch.bfloat16, peak=False)
+    params_dtype, autocast = compute_view("single", "bf16-mixed", None)
+    estimated = trace_activations(config, dict(build, gradient_checkpointing=False), params_dtype, autocast, 2, 128)
+    assert abs(estimated.saved - measured["saved"]) <= 0.05 * measured["saved"], (estimated, measured)
+    assert estimated.per_layer > 0 and estimated.peak > estimated.saved
+
+
+# ---------------------------------------------------------------- the command
+
+
+def run_main(args, capsys):
+    from litft.__main__ import main
+
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err.strip()
+
+
+@pytest.mark.skipif(not (SHIPPED / "config.json").is_file(), reason="config_hub/models not there")
+def test_cli_estimates_a_shipped_config(capsys):
+    code, out, _ = run_main(
+        ["estimate", SHIPPED, "--job", "finetune_full", "--strategy", "fsdp", "--devices", "8", "--fsdp.sharding_strategy", "FULL_SHARD",
+         "--seq_len", "64", "--json", "true"],
+        capsys,
+    )
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["parameters"]["total"] == plan["parameters"]["trained"] == 1_235_814_400
+    assert plan["strategy"] == "FSDP FULL_SHARD" and plan["world_size"] == 8
+    rank, shard = plan["per_rank"], 4 * 1_235_814_400 / 8  # bf16-mixed keeps fp32 weights, sharded 8 ways
+    for component, per_param in (("params", 1), ("grads", 1), ("optimizer", 2)):
+        assert abs(rank[component]["gpu"] - per_param * shard) < 0.01 * shard, component
+    assert plan["fits"] and plan["total"]["gpu"] < 10 * GiB
+    table = render(plan)
+    assert "FSDP all-gathered parameters" in table and "fits" in table
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD", "--fsdp.shard_size", "2"], "only applies to HYBRID_SHARD"),
+        (["--job", "finetune_full", "--quantize", "bnb.nf4"], "--quantize trains 4-bit weights only through LoRA adapters"),
+        (["--strategy", "deepspeed", "--deepspeed.offload_parameters", "cpu"], "offload_parameters needs --deepspeed.stage 3"),
+        (["--strategy", "fsdp", "--gpu", "V100"], "fp16 needs loss scaling that FSDP2 lacks"),
+        (["--gpu", "TPUv9"], "--gpu TPUv9 is unknown"),
+    ],
+)
+def test_impossible_runs_are_refused_in_one_line(capsys, tiny_dir, args, message):
+    code, _, err = run_main(["estimate", tiny_dir, *args], capsys)
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_unreachable_hub_id_is_one_line(capsys):
+    code, _, err = run_main(["estimate", "meta-llama/Llama-3.1-8B"], capsys)
+    assert code == 2 and "could not load 'meta-llama/Llama-3.1-8B'" in err and len(err.splitlines()) == 1, err
