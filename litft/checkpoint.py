@@ -32,6 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 from litft.errors import LitftError
+from litft.ranks import on_every_rank, on_rank_zero
 
 # DCP warns on every single-process save and load that it is running without a process group.
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
@@ -277,8 +278,6 @@ class Checkpointer:
 
     def save(self, state) -> Path:
         """Every rank writes its part into ``.step-N.partial``; rank 0 then writes meta.json and renames it."""
-        from litft.jobs.run import on_rank_zero
-
         fabric = self.fabric
         root = self.out_dir / CHECKPOINTS
         final, partial = root / step_name(state.step), root / f".{step_name(state.step)}.partial"
@@ -289,8 +288,8 @@ class Checkpointer:
 
         on_rank_zero(fabric, prepare, "preparing a checkpoint folder")
         fabric.barrier()
-        error = None
-        try:
+
+        def write_own_part():
             if self.deepspeed:
                 exclude_frozen = any(not p.requires_grad for p in self.lm.parameters())
                 fabric.strategy.model.save_checkpoint(
@@ -303,11 +302,8 @@ class Checkpointer:
                 dcp.save(state_dict, checkpoint_id=str(partial / "model"))
             (partial / "rng").mkdir(exist_ok=True)
             torch.save(rng_state(), partial / "rng" / f"rank-{fabric.global_rank:05d}.pt")
-        except Exception as err:  # noqa: BLE001 - every rank learns of it below
-            error = err
-        from litft.jobs.run import agree_on_failure
 
-        agree_on_failure(fabric, error, f"writing checkpoint {final}")
+        on_every_rank(fabric, write_own_part, f"writing checkpoint {final}")
         fabric.barrier()
 
         def commit():

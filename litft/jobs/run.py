@@ -13,6 +13,7 @@ import yaml
 from litft.args import DeepSpeedArgs, EvalArgs, FSDPArgs, TrainArgs
 from litft.data.base import DataModule
 from litft.errors import LitftError
+from litft.ranks import on_every_rank, on_rank_zero, rank_zero_first
 
 
 @dataclass
@@ -110,64 +111,6 @@ def check_out_dir(run: Run) -> None:
         shutil.rmtree(out / name, ignore_errors=True)
 
 
-def _describe(err: BaseException) -> str:
-    return str(err) if isinstance(err, LitftError) else f"{type(err).__name__}: {err}"
-
-
-def agree_on_failure(fabric, error: Optional[BaseException], stage: str) -> None:
-    """Every rank learns whether any rank failed at ``stage``, so none waits at a later collective.
-
-    The failing rank re-raises its own exception; the others stop with one line
-    naming the stage, instead of hanging until a timeout.
-    """
-    if fabric.world_size > 1:
-        failed = fabric.all_reduce(torch.tensor(float(error is not None), device=fabric.device), reduce_op="sum")
-        if error is None and failed.item() > 0:
-            raise LitftError(f"another rank failed while {stage}; its message says why")
-    if error is not None:
-        raise error
-
-
-def rank_zero_first(fabric, fn: Callable, stage: str):
-    """Run ``fn`` on rank 0, then on the others (which find rank 0's caches).
-
-    Rank 0's error message is sent to every rank, so all of them exit with the
-    same line instead of waiting for a rank that has stopped.
-    """
-    result, error = None, None
-    if fabric.global_rank == 0:
-        try:
-            result = fn()
-        except Exception as err:  # noqa: BLE001 - re-raised below on rank 0
-            error = err
-    message = _describe(error) if error is not None else None
-    if fabric.world_size > 1:
-        message = fabric.broadcast(message, src=0)
-    if error is not None:
-        # The broadcast already told every rank; a further collective would wait for ranks that have exited.
-        raise error
-    if message is not None:
-        raise LitftError(message)
-    if fabric.global_rank != 0:
-        try:
-            result = fn()
-        except Exception as err:  # noqa: BLE001 - reported to every rank below
-            error = err
-    agree_on_failure(fabric, error, stage)
-    return result
-
-
-def on_rank_zero(fabric, fn: Callable, stage: str) -> None:
-    """Run ``fn`` on rank 0 alone; a failure there stops every rank instead of stranding them."""
-    error = None
-    if fabric.global_rank == 0:
-        try:
-            fn()
-        except Exception as err:  # noqa: BLE001 - re-raised by agree_on_failure
-            error = err
-    agree_on_failure(fabric, error, stage)
-
-
 def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     """The single path every job takes, from flags to an exported model."""
     from litft.checkpoint import resolve_resume
@@ -231,12 +174,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     checkpointer = make_checkpointer(run, fabric, lm, optimizer, scheduler, len(data.train))
     state = None
     if resume_from is not None:
-        error = None
-        try:
-            checkpointer.check_fits(resume_from)
-        except LitftError as err:
-            error = err
-        agree_on_failure(fabric, error, "checking the checkpoint to resume from")
+        on_every_rank(fabric, lambda: checkpointer.check_fits(resume_from), "checking the checkpoint to resume from")
         state = checkpointer.load(resume_from)
         continue_logs(fabric, state.step)
         fabric.print(f"resumed from {resume_from}: step {state.step} of {total_steps}, {state.tokens:,} tokens seen")
