@@ -206,21 +206,23 @@ class PeerWatch:
 
     A thread on every rank publishes a record (a counter that grows while the process
     lives, and the step it is in) to the process group's store every few seconds. Once
-    this rank has spent ``timeout`` seconds in one step, it reads every record twice: a
-    rank whose counter stood still is dead, frozen or cut off, and this rank exits with
-    one line naming it, so torchrun or SLURM can restart the run from its newest
-    checkpoint. Ranks that are alive but still in an earlier step are named once as
-    stragglers; the collective's own timeout then decides.
+    this rank has spent ``timeout`` seconds in one phase of a step (training it,
+    validating, saving a checkpoint), it reads every record twice, still publishing its
+    own meanwhile: a rank whose counter stood still is dead, frozen or cut off, and this
+    rank exits with one line naming it, so torchrun or SLURM can restart the run from
+    its newest checkpoint. A slow phase with every rank alive, or ranks alive but still
+    in an earlier step, only gets a warning; the collective's own timeout then decides.
     """
 
-    def __init__(self, rank: int, world_size: int, devices: int, timeout: float, store=None):
+    def __init__(self, rank: int, world_size: int, devices: int, timeout: float, store=None, interval: Optional[float] = None):
         self.rank, self.world_size, self.devices, self.timeout = rank, world_size, devices, timeout
-        self.interval = max(0.2, min(5.0, timeout / 4))
+        self.interval = interval or max(0.2, min(5.0, timeout / 4))  # seconds between signs of life
         self.store = store
-        self.step, self.since, self.beats = 0, time.monotonic(), 0
+        self.step, self.doing, self.since, self.beats = 0, "starting", time.monotonic(), 0
         self._done = threading.Event()
         self._thread = None
         self._next_verdict = 0.0
+        self.on_fatal = lambda: os._exit(1)  # the main thread is stuck in a collective: only an exit ends it
 
     @classmethod
     def for_run(cls, fabric, devices: int) -> "PeerWatch":
@@ -233,9 +235,9 @@ class PeerWatch:
             store = dist.PrefixStore("litft/watch/", _get_default_store())
         return cls(fabric.global_rank, fabric.world_size, devices, timeout, store)
 
-    def at(self, step: int) -> None:
-        """The loop started ``step`` on this rank."""
-        self.step, self.since, self._next_verdict = step, time.monotonic(), 0.0
+    def at(self, step: int, doing: str = "training") -> None:
+        """This rank started a phase of ``step``; each phase gets ``timeout`` seconds before peers are judged."""
+        self.step, self.doing, self.since, self._next_verdict = step, doing, time.monotonic(), 0.0
 
     def __enter__(self):
         if self.store is not None:
@@ -248,6 +250,8 @@ class PeerWatch:
         if self._thread is not None:
             self._done.set()
             self._thread.join()
+            if exc[0] is not None:
+                return False  # a rank that failed is missing: its counter stops and peers name it
             try:
                 self.store.set(str(self.rank), "done")  # finished ranks are not missing ones
             except Exception:  # noqa: BLE001 - the store's host may have finished first
@@ -259,8 +263,13 @@ class PeerWatch:
         self.store.set(str(self.rank), f"{self.beats} {self.step}")
 
     def _records(self) -> Dict[int, Optional[tuple]]:
-        values = self.store.multi_get([str(r) for r in range(self.world_size)])
-        return {r: None if v == b"done" else tuple(int(x) for x in v.split()) for r, v in enumerate(values)}
+        """Each rank's (counter, step); None for a rank that finished; (0, -1) for one that never started training."""
+        present = [r for r in range(self.world_size) if self.store.check([str(r)])]  # a plain get would wait for the rest
+        values = dict(zip(present, self.store.multi_get([str(r) for r in present]))) if present else {}
+        return {
+            r: (0, -1) if r not in values else None if values[r] == b"done" else tuple(int(x) for x in values[r].split())
+            for r in range(self.world_size)
+        }
 
     def _watch(self) -> None:
         while not self._done.wait(self.interval):
@@ -274,26 +283,31 @@ class PeerWatch:
                 verdict, fatal = self.verdict()
                 print(f"litft: {'error' if fatal else 'warning'}: {verdict}", file=sys.stderr, flush=True)
                 if fatal:
-                    os._exit(1)
+                    self.on_fatal()
 
     def verdict(self) -> tuple:
         """One line on who this overdue step waits for, and whether waiting longer can help."""
         step, waited = self.step, time.monotonic() - self.since
+        phase = f"step {step} ({self.doing})"
         where = lambda r: f"rank {r} (node {r // self.devices})"  # noqa: E731
+        window = 4 * self.interval
         try:
             first = self._records()
-            time.sleep(2.5 * self.interval)
+            end = time.monotonic() + window
+            while time.monotonic() < end:  # peers judging at the same time must see this rank alive
+                time.sleep(self.interval / 2)
+                self._publish()
             second = self._records()
-        except Exception:  # noqa: BLE001 - rank 0 hosts the store; no answer means it is gone
-            return (f"step {step} has waited {waited:.0f} s and the process group's store on rank 0 does not answer: "
-                    f"{where(0)} is gone; check its node's log (the launcher restarts the run from its newest checkpoint)"), True
+        except Exception:  # noqa: BLE001 - node 0 hosts the store; no answer means it is gone
+            return (f"{phase} has waited {waited:.0f} s and the process group's store on node 0 (MASTER_ADDR) does not answer: "
+                    "node 0 is gone; check its log (the launcher restarts the run from its newest checkpoint)"), True
         others = [r for r in range(self.world_size) if r != self.rank]
         gone = [r for r in others if first[r] is not None and second[r] is not None and second[r][0] == first[r][0]]
         if gone:
-            return (f"step {step} has waited {waited:.0f} s for {', '.join(map(where, gone))}: no sign of life for "
-                    f"{2.5 * self.interval:.0f} s (process dead or frozen, or node unreachable); check those nodes' logs "
+            return (f"{phase} has waited {waited:.0f} s for {', '.join(map(where, gone))}: no sign of life for "
+                    f"{window:.0f} s (process dead or frozen, or node unreachable); check those nodes' logs "
                     "(the launcher restarts the run from its newest checkpoint)"), True
         behind = [r for r in others if second[r] is not None and second[r][1] < step]
         if behind:
-            return f"step {step} has waited {waited:.0f} s for {', '.join(map(where, behind))}, alive but still in an earlier step", False
-        return f"step {step} has taken {waited:.0f} s on this rank; every rank is alive and in it (a slow step, or a collective that hangs)", False
+            return f"{phase} has waited {waited:.0f} s for {', '.join(map(where, behind))}, alive but still in an earlier step", False
+        return f"{phase} has taken {waited:.0f} s on this rank; every rank is alive and in it (slow work, or a collective that hangs)", False

@@ -182,7 +182,7 @@ def single_or_ddp_states(tensors: List[Param], ddp: bool) -> States:
         grads=Row(grads),
         # torch's AdamW keeps exp_avg and exp_avg_sq in each parameter's dtype, and a 4-byte step per tensor.
         optimizer=Row(2 * grads + 4 * len(trained), note="AdamW exp_avg + exp_avg_sq"),
-        step=Row(grads, note="AdamW's foreach sqrt(exp_avg_sq)"),
+        step=Row(0, note="fused AdamW updates in place"),
     )
     if ddp:
         # DDP copies gradients into flat buckets for the all-reduce (gradient_as_bucket_view is off).
@@ -200,7 +200,7 @@ def fsdp_states(tensors: List[Param], fsdp: FSDPArgs, shard: int, precision: str
     grads = sum(local[t.name] * t.itemsize for t in trained)
     params = Row(sum(local[t.name] * t.itemsize + t.quant_state for t in tensors), note=f"shards of 1/{shard}" if shard > 1 else "")
     optimizer = Row(2 * grads + 4 * len(trained), note="AdamW exp_avg + exp_avg_sq of the shards")
-    states = States(params=params, grads=Row(grads), optimizer=optimizer, step=Row(grads, note="AdamW's foreach temporaries"))
+    states = States(params=params, grads=Row(grads), optimizer=optimizer, step=Row(0, note="fused AdamW updates in place"))
     if fsdp.cpu_offload:
         states.params = params.moved_to_cpu("sharded, offloaded to CPU")
         states.grads = states.grads.moved_to_cpu("sharded, offloaded to CPU")
@@ -268,7 +268,7 @@ def deepspeed_states(tensors: List[Param], zero: dict, world: int, precision: st
             states.step = Row(4 * total_trained, note="fp32 copy of the gradients")
         else:
             states.optimizer = Row(8 * total_trained + 4 * len(trained), note="AdamW exp_avg + exp_avg_sq")
-            states.step = Row(4 * total_trained, note="AdamW's foreach temporaries")
+            states.step = Row(0, note="fused AdamW updates in place")
     else:
         # Stage 1 keeps every gradient until the boundary's reduction; 2 and 3 keep their partition.
         states.grads = Row((total_trained if stage == 1 else partition) * model_bytes, note="" if stage == 1 else f"partition of 1/{world}")

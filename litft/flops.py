@@ -360,7 +360,7 @@ class StepFlops:
         return length * (self.per_token + self.per_key * length)
 
     @classmethod
-    def for_model(cls, model, precision: str, device, peak_tflops: Optional[float] = None) -> Optional["StepFlops"]:
+    def for_model(cls, model, precision: str, device, peak_tflops: Optional[float] = None, say=print) -> Optional["StepFlops"]:
         """The counter for an HF model (LoRA read from its peft config), or None with a line saying why."""
         import torch
 
@@ -376,5 +376,5 @@ class StepFlops:
         try:
             return cls(model.config, peak, **kind)
         except LitftError as err:
-            print(f"litft: no MFU for this run: {err}", flush=True)
+            say(f"litft: no MFU for this run: {err}")
             return None

@@ -52,8 +52,13 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
+def watch_phase(watch, step: int, doing: str) -> None:
+    if watch is not None:
+        watch.at(step, doing)
+
+
 def peak_memory_by_rank(fabric) -> Dict[str, float]:
-    """Every rank's peak memory (GB) so far, the largest first: the rank that runs out is rarely rank 0."""
+    """Every rank's peak memory (GB) so far, and the fullest rank: the rank that runs out is rarely rank 0."""
     local = torch.tensor([peak_memory_gb(fabric.device)], dtype=torch.float64, device=fabric.device)
     peaks = fabric.all_gather(local).flatten().tolist() if fabric.world_size > 1 else [local.item()]
     fullest = max(range(len(peaks)), key=peaks.__getitem__)
@@ -137,8 +142,7 @@ def fit(
     start_step = state.step
     module.train()
     while state.step < total_steps and (train.max_tokens is None or state.tokens < train.max_tokens):
-        if watch is not None:
-            watch.at(state.step + 1)
+        watch_phase(watch, state.step + 1, "training")
         if state.epoch_step >= order.steps_per_epoch:
             state.epoch, state.epoch_step = state.epoch + 1, 0
         indices = order.micro_batches(state.epoch, state.epoch_step)
@@ -215,17 +219,21 @@ def fit(
         state.history.append(metrics)
 
         if eval.interval and state.step % eval.interval == 0 and state.step < total_steps:
+            watch_phase(watch, state.step, "validating")
             _validate_and_log(fabric, module, data, train, eval, tokenizer, state, progress, scoring=False)
             module.train()
         if checkpointer is not None and checkpointer.due(state.step) and state.step < total_steps:
+            watch_phase(watch, state.step, "saving a checkpoint")
             progress.message(f"step {state.step}: checkpoint {checkpointer.save(state)}")
 
     if checkpointer is not None and checkpointer.last_saved != state.step and not (state.stopped_by and state.step == start_step):
+        watch_phase(watch, state.step, "saving a checkpoint")
         progress.message(f"step {state.step}: checkpoint {checkpointer.save(state)}")
     if state.stopped_by:
         progress.close()
         return state
     if eval.final_validation:
+        watch_phase(watch, state.step, "validating")
         _validate_and_log(fabric, module, data, train, eval, tokenizer, state, progress, scoring=True)
     progress.close()
     return state

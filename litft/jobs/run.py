@@ -78,6 +78,8 @@ def check_flags(run: Run) -> None:
             raise LitftError(f"--train.{name} must be at least 1 (or null for no limit)")
     if train.log_interval < 1:
         raise LitftError("--train.log_interval must be at least 1")
+    if train.peak_tflops is not None and not train.peak_tflops > 0:
+        raise LitftError(f"--train.peak_tflops must be positive (one device's dense peak at the run's precision), got {train.peak_tflops}")
     if run.quantize is not None and run.lora is None:
         raise LitftError("--quantize trains 4-bit weights only through LoRA adapters; use finetune_lora")
     if train.save_interval is not None and train.save_interval < 1:
@@ -186,7 +188,7 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
         state = fit(
             fabric, module, optimizer, scheduler, data, run.train, run.eval, run.seed, tokenizer, total_steps,
             state=state, checkpointer=checkpointer, sample_log=sample_log, stop=stop, watch=watch,
-            flops=StepFlops.for_model(model, precision, fabric.device, run.train.peak_tflops),
+            flops=StepFlops.for_model(model, precision, fabric.device, run.train.peak_tflops, say=fabric.print),
         )
     if state.stopped_by:
         saved = f"checkpoint {checkpointer.last_path}" if checkpointer.last_path else "no checkpoint (no step was trained)"

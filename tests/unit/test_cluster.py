@@ -126,7 +126,7 @@ def test_peer_watch_names_a_frozen_rank_and_a_straggler():
     store.set("2", "5 8")
 
     def rank_1_in_step_7():
-        alive = PeerWatch(rank=1, world_size=3, devices=2, timeout=0.5, store=store)
+        alive = PeerWatch(rank=1, world_size=3, devices=2, timeout=600, store=store, interval=0.1)  # beats, never judges
         alive.at(7)
         return alive
 
@@ -137,3 +137,23 @@ def test_peer_watch_names_a_frozen_rank_and_a_straggler():
     with rank_1_in_step_7():
         verdict, fatal = watch.verdict()
     assert not fatal and "for rank 1 (node 0), alive but still in an earlier step" in verdict, verdict
+
+
+def test_peer_watch_ranks_judging_together_see_each_other_alive(capfd):
+    """A slow phase on every rank: both judge at once, and each keeps beating while it judges; no one is killed."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from litft.cluster import PeerWatch
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    killed = []
+    watches = [PeerWatch(rank=r, world_size=2, devices=1, timeout=0.3, store=store, interval=0.1) for r in (0, 1)]
+    for watch in watches:
+        watch.on_fatal = lambda rank=watch.rank: killed.append(rank)
+        watch.at(5, "saving a checkpoint")
+    with watches[0], watches[1]:
+        time.sleep(2.0)
+    assert killed == []
+    assert "litft: warning: step 5 (saving a checkpoint) has taken" in capfd.readouterr().err
