@@ -35,6 +35,8 @@ class TrainArgs:
     """Clip the global gradient norm to this value (None: no clipping)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    stop_after_steps: Optional[int] = None
+    """End this launch after this many steps with a checkpoint, as a stop signal does (for queues whose time limit is shorter than the run: each job continues with --resume auto)."""
     log_interval: int = 1
     """Log metrics every this many optimizer steps."""
     save_interval: Optional[int] = 1000

@@ -166,6 +166,26 @@ def join_torchrun_group(accelerator: str) -> None:
     )
 
 
+def leave_process_group(fabric, failed: bool) -> None:
+    """Close the loggers and destroy the process group while the interpreter is still whole.
+
+    A gloo group left to interpreter exit is torn down during finalization: its
+    worker threads can still hold finished work with tensors whose release needs
+    the interpreter, and the process then aborts ("terminate called without an
+    active exception", exit -6) after a run that had finished. Destroying the group
+    here ends those threads first. A failed run skips the barrier: peers may be gone.
+    """
+    import torch.distributed as dist
+
+    for logger in fabric.loggers:
+        logger.finalize("failed" if failed else "success")
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if not failed:
+        dist.barrier()  # nobody tears down while a peer still talks to it
+    dist.destroy_process_group()
+
+
 def restarted() -> Optional[str]:
     """The launcher that restarted this run after a failure or preemption, if one did."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:

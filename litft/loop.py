@@ -27,7 +27,7 @@ class LoopState:
     tokens: int = 0
     samples: int = 0
     history: List[Dict[str, float]] = field(default_factory=list)
-    stopped_by: Optional[str] = None  # the signal that ended the run early, if one did
+    stopped_by: Optional[str] = None  # what ended the run early (a signal, --train.stop_after_steps), if anything did
 
 
 def plan_steps(train: TrainArgs, num_samples: int, mean_tokens: float) -> int:
@@ -152,7 +152,10 @@ def fit(
         micro = [collate([data.train[i] for i in idx], pad_id) for idx in indices]
         # One all-reduce before the step: loss-carrying tokens (for the scale), input tokens, samples,
         # whether any rank was asked to stop, and the step's model FLOPs.
-        asked = stop is not None and stop.received is not None
+        reason = stop.received if stop is not None else None
+        if train.stop_after_steps is not None and state.step - start_step >= train.stop_after_steps:
+            reason = f"--train.stop_after_steps {train.stop_after_steps}"
+        asked = reason is not None
         step_flops = sum(flops.of_row(len(data.train[i]["input_ids"])) for idx in indices for i in idx) if flops else 0.0
         counts = torch.tensor(
             [sum(target_tokens(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro), float(asked), step_flops],
@@ -162,7 +165,7 @@ def fit(
         *summed, step_flops = fabric.all_reduce(counts, reduce_op="sum").tolist()
         global_targets, step_tokens, step_samples, stopping = (int(c) for c in summed)
         if stopping:
-            state.stopped_by = stop.received if asked else "a signal to another rank"
+            state.stopped_by = reason if asked else "a signal to another rank"
             break
         scale = fabric.world_size / max(global_targets, 1)
 

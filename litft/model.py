@@ -77,9 +77,27 @@ def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quanti
     if quantization_config is not None:
         kwargs.update(quantization_config=quantization_config, device_map={"": device or torch.device("cpu")})
     try:
-        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:
         raise _hub_error(source, err) from None
+    if quantization_config is not None:
+        keep_4bit_training_layout(model)
+    return model
+
+
+def keep_4bit_training_layout(model: torch.nn.Module) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
+
+    On CPUs with AVX512-BF16, bitsandbytes (0.49 and later) rewrites a Linear4bit's
+    weight the first time it runs in eval mode without gradients: another memory
+    layout, absmax rounded to bf16, the nested statistics dropped, and a kernel with
+    no backward. Training after the first validation then computed other losses and
+    lost the gradient through every frozen 4-bit layer. litft validates and trains
+    the same weights, so every 4-bit layer keeps the layout it was loaded in.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:

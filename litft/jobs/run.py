@@ -73,7 +73,7 @@ def check_flags(run: Run) -> None:
             f"--train.global_batch_size {train.global_batch_size} is not divisible by micro_batch_size x world size "
             f"({train.micro_batch_size} x {world} = {train.micro_batch_size * world}); change one of them"
         )
-    for name in ("epochs", "max_steps", "max_tokens"):
+    for name in ("epochs", "max_steps", "max_tokens", "stop_after_steps"):
         if getattr(train, name) is not None and getattr(train, name) < 1:
             raise LitftError(f"--train.{name} must be at least 1 (or null for no limit)")
     if train.log_interval < 1:
@@ -115,15 +115,8 @@ def check_out_dir(run: Run) -> None:
 
 def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     """The single path every job takes, from flags to an exported model."""
-    from litft.checkpoint import resolve_resume
-    from litft.cluster import PeerWatch, StopSignals, apply_launcher_env, join_torchrun_group, preflight, restarted
-    from litft.flops import StepFlops
-    from litft.loop import fit, plan_steps
-    from litft.model import load_tokenizer, resolve_model
-    from litft.strategy import (
-        build_fabric, continue_logs, is_fsdp, numel, param_dtype, replica_divergence, resolve_accelerator,
-        resolve_precision, setup_training,
-    )
+    from litft.cluster import apply_launcher_env, join_torchrun_group, leave_process_group, preflight, restarted
+    from litft.strategy import build_fabric, resolve_accelerator, resolve_precision
 
     started = time.perf_counter()
     quiet_libraries()
@@ -139,6 +132,23 @@ def execute(run: Run, transform: Optional[Callable] = None) -> RunResult:
     fabric = build_fabric(accelerator=accelerator, layout=layout, precision=precision, train=run.train, out_dir=run.out_dir)
     join_torchrun_group(accelerator)
     fabric.launch()
+    failed = True
+    try:
+        result = _launched(run, fabric, precision, transform, started)
+        failed = False
+        return result
+    finally:
+        leave_process_group(fabric, failed)
+
+
+def _launched(run: Run, fabric, precision: str, transform: Optional[Callable], started: float) -> RunResult:
+    """Everything after the processes have met, on every rank."""
+    from litft.checkpoint import resolve_resume
+    from litft.cluster import PeerWatch, StopSignals
+    from litft.flops import StepFlops
+    from litft.loop import fit, plan_steps
+    from litft.model import load_tokenizer, resolve_model
+    from litft.strategy import continue_logs, is_fsdp, numel, param_dtype, replica_divergence, setup_training
 
     def prepare():
         if fabric.global_rank == 0:

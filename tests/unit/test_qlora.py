@@ -1,0 +1,43 @@
+"""QLoRA's 4-bit base stays the one that was loaded, whatever the loop runs between steps."""
+
+import torch
+
+from litft.lora import apply_lora, quantization_config
+from litft.model import load_causal_lm
+
+
+def qlora_step(tiny_dir, validate_first: bool):
+    """Loss and adapter gradients of one training step; optionally after an eval-mode forward without grad, as validation runs."""
+    model = load_causal_lm(
+        str(tiny_dir), random_init=False, dtype=torch.float32,
+        quantization_config=quantization_config("bnb.nf4-dq", torch.float32), device=torch.device("cpu"),
+    )
+    torch.manual_seed(0)  # peft draws lora_A from the global generator
+    model = apply_lora(model, 4, 8, 0.0, "all-linear", quantized=True, gradient_checkpointing=False)
+    generator = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # nonzero, so that gradients reach lora_A through the frozen layers after it
+            p.data.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    tokens = torch.randint(0, 300, (2, 16), generator=generator)
+    if validate_first:
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=tokens)
+    model.train()
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    nested = [p.quant_state.as_dict(packed=False) for p in model.parameters() if type(p).__name__ == "Params4bit"]
+    return loss.item(), grads, nested
+
+
+def test_validation_leaves_the_4bit_base_as_trained(tiny_dir):
+    """bitsandbytes repacks 4-bit weights for CPU inference at their first no-grad eval forward (on AVX512-BF16
+    CPUs); the losses and every adapter gradient of a step after validation must equal those without it."""
+    loss, grads, _ = qlora_step(tiny_dir, validate_first=False)
+    loss_after, grads_after, nested = qlora_step(tiny_dir, validate_first=True)
+    assert loss_after == loss
+    assert grads.keys() == grads_after.keys() and len(grads) == 2 * 7 * 4  # A and B of 7 linears in 4 blocks
+    for name in grads:
+        torch.testing.assert_close(grads_after[name], grads[name], rtol=0, atol=0, msg=name)
+    assert nested and all("nested_absmax" in state for state in nested)  # -dq's nested statistics are still there
