@@ -66,7 +66,7 @@ def test_bad_data_stops_every_rank_with_one_line(tmp_path):
     )
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("litft: error:")]
-    assert len(errors) == 2 and all("missing.json does not exist" in line for line in errors)
+    assert len(errors) == 2 and all("missing.json does not exist" in line for line in errors), proc.stderr[-3000:]
     # Every rank stops on the message itself, not on a collective broken by a rank that left.
     assert "Traceback" not in proc.stderr and "Connection closed" not in proc.stderr
     assert not (tmp_path / "o").exists()
