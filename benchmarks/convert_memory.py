@@ -27,7 +27,7 @@ def measure_convert(checkpoint: str, target: str) -> None:
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    from litft.convert import convert
+    from litft.checkpoint.convert import convert
 
     started = time.perf_counter()
     with PeakGrowth() as peak:

@@ -2,14 +2,14 @@
 
 Model states: each configuration trains litft-tiny for one step on CPU processes
 (one run at a time), as a user runs it; the loop logs the fullest rank's
-``params_bytes``, ``grads_bytes`` and ``optimizer_bytes`` (``strategy.model_state_bytes``)
+``params_bytes``, ``grads_bytes`` and ``optimizer_bytes`` (the strategy's ``state_bytes``)
 to ``logs/csv/metrics.csv``, and the estimate for the same flags is set beside them.
 QLoRA's logged parameters are the packed 4-bit weights alone; the estimate's
 bitsandbytes absmax bytes, measured in-process by tests/unit/test_estimate.py,
 are left out of that comparison.
 
 Activations: a small Llama (random weights) takes one real training step in this
-process; ``estimate.measure_step`` measures what the forward saves for backward
+process; ``activation_probe.measure_step`` measures what the forward saves for backward
 (saved_tensors_hooks) and the step's peak (torch.profiler's memory timeline),
 and the estimate (fake-tensor trace of 2 and 3 blocks, extrapolated) is set beside them.
 
@@ -23,7 +23,20 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
+
+import torch
+from activation_probe import measure_step
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from litft.build import build_model
+from litft.config import DeepSpeedArgs, FSDPArgs, LoraArgs, TrainArgs
+from litft.estimate import memory_plan
+from litft.logs import quiet_libraries
+from litft.model import CausalLM, load_config
+from litft.tiny import ensure_tiny_model
+from litft.weights import Materializer
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -67,8 +80,6 @@ def error(estimated: float, measured: float) -> str:
 
 
 def estimate_flags(job: str, keywords: dict) -> dict:
-    from litft.args import DeepSpeedArgs, FSDPArgs, TrainArgs
-
     flags = dict(keywords)
     if "fsdp" in flags:
         flags["fsdp"] = FSDPArgs(sharding_strategy=flags["fsdp"][0])
@@ -80,9 +91,6 @@ def estimate_flags(job: str, keywords: dict) -> dict:
 
 
 def model_states(work: Path) -> None:
-    from litft.estimate import memory_plan
-    from litft.tiny import ensure_tiny_model
-
     tiny = str(ensure_tiny_model())
     print("model states per rank (fullest rank), bytes: estimate vs logged by the real run")
     print(f"{'configuration':<34}{'component':<11}{'estimate':>11}{'measured':>11}{'error':>9}")
@@ -130,43 +138,19 @@ ACTIVATION_CASES = {
 
 def real_module(folder: str, job: str, precision: str, checkpointing: bool, quantize, attention):
     """The module a job trains, with real (random) weights, built by the project's own code."""
-    import torch
-
-    from litft.args import TrainArgs
-    from litft.estimate import build_model
-    from litft.lora import apply_lora, quantization_config
-    from litft.model import CausalLM, load_causal_lm, load_config
-    from litft.strategy import compute_dtype, param_dtype
-    from litft.weights import Materializer
-
-    lora = dict(r=8, alpha=16, dropout=0.05, target_modules="all-linear") if job == "finetune_lora" else None
+    lora = LoraArgs(r=8, alpha=16, dropout=0.05, target_modules="all-linear", quantize=quantize) if job == "finetune_lora" else None
     config = load_config(folder)
     if attention:
         config._attn_implementation = attention
-    if quantize:
-        model = load_causal_lm(
-            folder, random_init=False, dtype=param_dtype(precision),
-            quantization_config=quantization_config(quantize, compute_dtype(precision)), device=torch.device("cpu"),
-        )
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = apply_lora(model, **lora, quantized=True, gradient_checkpointing=checkpointing)
-        lm = CausalLM(model, TrainArgs())
-    else:
-        model = build_model(config, precision, None, lora, checkpointing)
-        lm = CausalLM(model, TrainArgs())
+    model = build_model(config, precision, lora, checkpointing, source=folder, device=torch.device("cpu"))
+    lm = CausalLM(model, TrainArgs())
+    if not quantize:
         Materializer(lm.model, lm.hf_model, None, 0)(lm)
     lm.train()
     return lm
 
 
 def activations(work: Path, batch_size: int, seq_len: int) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from litft.args import TrainArgs
-    from litft.estimate import measure_step, memory_plan
-
     folder = work / "small-llama"
     config = LlamaConfig(
         vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
@@ -203,11 +187,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import warnings
-
     warnings.filterwarnings("ignore")
-    from litft.jobs.run import quiet_libraries
-
     quiet_libraries()
     work = args.work or Path(tempfile.mkdtemp(prefix="litft-estimate-"))
     work.mkdir(parents=True, exist_ok=True)

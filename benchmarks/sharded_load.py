@@ -12,22 +12,21 @@ import os
 import tempfile
 from pathlib import Path
 
+import lightning as L
+import torch
 from benchkit import PeakGrowth, llama_shape, shape_parser
+from transformers import LlamaForCausalLM
+
+from litft.config import FSDPArgs, Layout, TrainArgs
+from litft.model import CausalLM, load_config
+from litft.strategies import strategy_class
+from litft.weights import CheckpointWeights, Materializer, skeleton
 
 
-def load_and_measure(fabric, folder: str, model_mb: float, block_mb: float) -> None:
-    import torch
-
-    from litft.args import TrainArgs
-    from litft.model import CausalLM, load_config
-    from litft.weights import CheckpointWeights, Materializer, skeleton
-
+def load_and_measure(fabric, strategy, folder: str, model_mb: float, block_mb: float) -> None:
     with PeakGrowth() as peak:
         lm = CausalLM(skeleton(load_config(folder), torch.float32), TrainArgs())
-        lm.materialize = Materializer(lm.model, lm.hf_model, CheckpointWeights(Path(folder)), seed=0)
-        if fabric.world_size == 1:
-            lm.materialize(lm)
-        fabric.setup_module(lm)
+        strategy.setup(fabric, lm, Materializer(lm.model, lm.hf_model, CheckpointWeights(Path(folder)), seed=0), on_device=False)
     grew = peak.mb
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in lm.parameters()) * 4 / 2**20
     print(
@@ -39,26 +38,16 @@ def load_and_measure(fabric, folder: str, model_mb: float, block_mb: float) -> N
 
 def main() -> None:
     args = shape_parser(__doc__.splitlines()[0], layers=8).parse_args()
-
-    import lightning as L
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from litft.args import DeepSpeedArgs, FSDPArgs
-    from litft.strategy import FSDP2Strategy, Parallelism
-
     folder = os.environ.get("SHARDED_LOAD_MODEL") or tempfile.mkdtemp(prefix="litft-load-")
     config, per_block, _, total = llama_shape(args)
     if not (Path(folder) / "model.safetensors").exists():
         LlamaForCausalLM(config).save_pretrained(folder)
     os.environ["SHARDED_LOAD_MODEL"] = folder  # the launched processes reuse the saved model
-    if args.devices == 1:
-        fabric = L.Fabric(accelerator="cpu", devices=1)
-    else:
-        layout = Parallelism("fsdp", args.devices, 1, FSDPArgs(sharding_strategy="FULL_SHARD"), DeepSpeedArgs())
-        fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=FSDP2Strategy(layout, "32-true", "gloo"))
+    layout = Layout("fsdp" if args.devices > 1 else "auto", args.devices, 1, FSDPArgs(sharding_strategy="FULL_SHARD") if args.devices > 1 else FSDPArgs())
+    strategy = strategy_class(layout)(layout, "cpu", "32-true", TrainArgs(global_batch_size=args.devices, micro_batch_size=1))
+    fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy.fabric_strategy())
     torch.set_num_threads(1)
-    fabric.launch(load_and_measure, folder, total, per_block)
+    fabric.launch(load_and_measure, strategy, folder, total, per_block)
 
 
 if __name__ == "__main__":

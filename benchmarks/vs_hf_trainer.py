@@ -103,7 +103,8 @@ def prepare(args, paths: dict) -> None:
     import torch
 
     from litft.data.sft import alpaca_prompt
-    from litft.tiny import build_tokenizer, task_records
+    from litft.data.tiny import task_records
+    from litft.tiny import build_tokenizer
 
     model_dir, text = Path(paths["model_dir"]), Path(paths["text"])
     if not (model_dir / "model.safetensors").is_file():
@@ -335,7 +336,7 @@ def parts_side(args, paths: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, Trainer
 
-    from litft.args import TrainArgs
+    from litft.config import TrainArgs
     from litft.model import CausalLM
 
     model = AutoModelForCausalLM.from_pretrained(paths["model_dir"], dtype=torch.float32)

@@ -12,7 +12,13 @@ import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore
+from torch.distributed.distributed_c10d import _get_default_store
 
 from litft.errors import LitftError
 
@@ -93,10 +99,6 @@ def check_in(node_rank: int, num_nodes: int, devices: int, host: str, port: int,
     with their ranks, so every node stops with the same line instead of waiting at
     the first collective until the process group's timeout (30 minutes).
     """
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
     wait = timedelta(seconds=timeout)
     if node_rank == 0:
         store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=wait, use_libuv=False)
@@ -146,11 +148,6 @@ def join_torchrun_group(accelerator: str) -> None:
     env = os.environ
     if launcher(env) != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env["WORLD_SIZE"]) < 2:
         return
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
     backend = "gloo"
@@ -175,8 +172,6 @@ def leave_process_group(fabric, failed: bool) -> None:
     active exception", exit -6) after a run that had finished. Destroying the group
     here ends those threads first. A failed run skips the barrier: peers may be gone.
     """
-    import torch.distributed as dist
-
     for logger in fabric.loggers:
         logger.finalize("failed" if failed else "success")
     if not (dist.is_available() and dist.is_initialized()):
@@ -245,13 +240,15 @@ class PeerWatch:
         self.on_fatal = lambda: os._exit(1)  # the main thread is stuck in a collective: only an exit ends it
 
     @classmethod
+    def idle(cls) -> "PeerWatch":
+        """A watch that hears phases and judges nobody (one process, or before training)."""
+        return cls(0, 1, 1, 0.0)
+
+    @classmethod
     def for_run(cls, fabric, devices: int) -> "PeerWatch":
         timeout = float(os.environ.get("LITFT_COLLECTIVE_TIMEOUT", 300))
         store = None
         if fabric.world_size > 1 and timeout > 0:
-            import torch.distributed as dist
-            from torch.distributed.distributed_c10d import _get_default_store
-
             store = dist.PrefixStore("litft/watch/", _get_default_store())
         return cls(fabric.global_rank, fabric.world_size, devices, timeout, store)
 

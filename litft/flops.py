@@ -41,6 +41,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Tuple, Union
 
+import torch
+
 from litft.errors import LitftError
 
 # Model types whose MLP is gated (three matmuls). Phi-3 fuses gate and up into one
@@ -360,21 +362,15 @@ class StepFlops:
         return length * (self.per_token + self.per_key * length)
 
     @classmethod
-    def for_model(cls, model, precision: str, device, peak_tflops: Optional[float] = None, say=print) -> Optional["StepFlops"]:
-        """The counter for an HF model (LoRA read from its peft config), or None with a line saying why."""
-        import torch
-
-        kind = {}
-        peft_config = getattr(model, "peft_config", None)
-        if peft_config:
-            lora = next(iter(peft_config.values()))
-            kind = {"trained": "lora", "lora_r": lora.r, "lora_targets": sorted(lora.target_modules) if not isinstance(lora.target_modules, str) else lora.target_modules}
+    def for_run(cls, config, lora, precision: str, device, peak_tflops: Optional[float] = None, say=print) -> Optional["StepFlops"]:
+        """The counter for a run's model config and LoRA flags (a ``config.LoraArgs`` or None), or None with a line saying why."""
+        kind = {"trained": "lora", "lora_r": lora.r, "lora_targets": lora.targets} if lora is not None else {}
         if precision.startswith("32") and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
             precision = "tf32"
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         peak = peak_flops(name, precision, peak_tflops)
         try:
-            return cls(model.config, peak, **kind)
+            return cls(config, peak, **kind)
         except LitftError as err:
             say(f"litft: no MFU for this run: {err}")
             return None

@@ -7,10 +7,12 @@ from typing import Optional
 import lightning as L
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from litft.args import TrainArgs
+from litft.config import TrainArgs
 from litft.data.base import IGNORE_INDEX
 from litft.errors import LitftError
+from litft.tiny import TINY_NAME, ensure_tiny_model
 
 
 def resolve_model(name: str) -> str:
@@ -19,8 +21,6 @@ def resolve_model(name: str) -> str:
     A string that names a filesystem location (it exists, starts with ``.``, ``/``
     or ``~``, or has more than one ``/``) must exist; anything else is a hub id.
     """
-    from litft.tiny import TINY_NAME, ensure_tiny_model
-
     if name == TINY_NAME:
         return str(ensure_tiny_model())
     path = Path(name).expanduser()
@@ -41,8 +41,6 @@ def _hub_error(name: str, err: Exception) -> LitftError:
 
 
 def load_tokenizer(source: str):
-    from transformers import AutoTokenizer
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
@@ -54,8 +52,6 @@ def load_tokenizer(source: str):
 
 
 def load_config(source: str):
-    from transformers import AutoConfig
-
     try:
         return AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:
@@ -68,8 +64,6 @@ def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quanti
     bitsandbytes quantizes while loading, so a quantized model is loaded straight
     onto ``device``, the one it will train on.
     """
-    from transformers import AutoModelForCausalLM
-
     if random_init:
         config = load_config(source)
         return AutoModelForCausalLM.from_config(config, dtype=dtype)

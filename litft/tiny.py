@@ -8,23 +8,19 @@ one a hub model takes.
 """
 
 import os
-import random
 import shutil
 from pathlib import Path
-from typing import Dict, List
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from litft.data.base import litft_home
+from litft.data.sft import alpaca_prompt
+from litft.data.tiny import task_records
 
 TINY_NAME = "litft-tiny"
 TINY_VERSION = 1
-LETTERS = "abcdefghijklmnop"
-
-# name -> (instruction, how the answer follows from the letters or numbers)
-TASKS = ("reverse", "sort", "add", "count")
-INSTRUCTIONS = {
-    "reverse": "Reverse the letters.",
-    "sort": "Sort the letters.",
-    "add": "Add the numbers.",
-    "count": "Count the letters.",
-}
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
@@ -32,28 +28,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def task_record(rng: random.Random, task: str) -> Dict[str, str]:
-    """One instruction record of a task; answers are exact, so a model can be scored by exact match."""
-    if task == "add":
-        a, b = rng.randint(0, 49), rng.randint(0, 49)
-        return {"instruction": INSTRUCTIONS[task], "input": f"{a} + {b}", "output": str(a + b)}
-    letters = [rng.choice(LETTERS) for _ in range(rng.randint(3, 6))]
-    answer = {
-        "reverse": " ".join(reversed(letters)),
-        "sort": " ".join(sorted(letters)),
-        "count": str(len(letters)),
-    }[task]
-    return {"instruction": INSTRUCTIONS[task], "input": " ".join(letters), "output": answer}
-
-
-def task_records(n: int, seed: int, tasks=TASKS) -> List[Dict[str, str]]:
-    rng = random.Random(seed)
-    return [task_record(rng, tasks[i % len(tasks)]) for i in range(n)]
-
-
 def tiny_dir() -> Path:
-    from litft.data.base import litft_home
-
     return litft_home() / "models" / f"{TINY_NAME}-v{TINY_VERSION}"
 
 
@@ -75,11 +50,6 @@ def ensure_tiny_model() -> Path:
 
 
 def build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from litft.data.sft import alpaca_prompt
-
     corpus = []
     for record in task_records(4000, seed=1234):
         corpus.append(alpaca_prompt(record["instruction"], record["input"]) + record["output"])
@@ -102,9 +72,6 @@ def build_tokenizer():
 
 
 def build_tiny_model(path: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tokenizer = build_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 import torch
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from litft.errors import LitftError
 
@@ -49,8 +52,6 @@ class CheckpointWeights:
             weight_map = json.loads(index.read_text())["weight_map"]
             self.where = {name: folder / file for name, file in weight_map.items()}
         elif (folder / "model.safetensors").is_file():
-            from safetensors import safe_open
-
             with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
                 self.where = {name: folder / "model.safetensors" for name in f.keys()}
         elif (folder / "pytorch_model.bin").is_file():
@@ -71,8 +72,6 @@ class CheckpointWeights:
     def get(self, name: str) -> torch.Tensor:
         path = self.where[name]
         if path not in self._open:
-            from safetensors import safe_open
-
             self._open[path] = safe_open(str(path), framework="pt")
         handle = self._open[path]
         return handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
@@ -83,8 +82,6 @@ def locate_checkpoint(source: str) -> Path:
     path = Path(source)
     if path.is_dir():
         return path
-    from huggingface_hub import snapshot_download
-
     try:
         return Path(snapshot_download(source, allow_patterns=["*.safetensors", "*.json", "*.bin"]))
     except Exception as err:  # noqa: BLE001 - hub errors come in many types; all mean the same to the user
@@ -94,8 +91,6 @@ def locate_checkpoint(source: str) -> Path:
 
 def skeleton(config, dtype: torch.dtype) -> nn.Module:
     """The model's structure with every parameter and buffer on the meta device."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 

@@ -1,11 +1,41 @@
 """The task data of litft-tiny, generated from a seed so that no file needs to ship."""
 
+import random
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from litft.data.sft import InstructionData, PromptStyle
 from litft.errors import LitftError
-from litft.tiny import TASKS, task_records
+
+LETTERS = "abcdefghijklmnop"
+
+# name -> (instruction, how the answer follows from the letters or numbers)
+TASKS = ("reverse", "sort", "add", "count")
+INSTRUCTIONS = {
+    "reverse": "Reverse the letters.",
+    "sort": "Sort the letters.",
+    "add": "Add the numbers.",
+    "count": "Count the letters.",
+}
+
+
+def task_record(rng: random.Random, task: str) -> Dict[str, str]:
+    """One instruction record of a task; answers are exact, so a model can be scored by exact match."""
+    if task == "add":
+        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        return {"instruction": INSTRUCTIONS[task], "input": f"{a} + {b}", "output": str(a + b)}
+    letters = [rng.choice(LETTERS) for _ in range(rng.randint(3, 6))]
+    answer = {
+        "reverse": " ".join(reversed(letters)),
+        "sort": " ".join(sorted(letters)),
+        "count": str(len(letters)),
+    }[task]
+    return {"instruction": INSTRUCTIONS[task], "input": " ".join(letters), "output": answer}
+
+
+def task_records(n: int, seed: int, tasks=TASKS) -> List[Dict[str, str]]:
+    rng = random.Random(seed)
+    return [task_record(rng, tasks[i % len(tasks)]) for i in range(n)]
 
 
 @dataclass

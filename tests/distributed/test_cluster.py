@@ -105,9 +105,9 @@ DIE_ONCE_AFTER_STEP_4 = """
 import os, signal, sys
 import litft.checkpoint as checkpoint
 save = checkpoint.Checkpointer.save
-def save_then_die(self, state):
-    path = save(self, state)
-    if state.step == 4 and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+def save_then_die(self, position):
+    path = save(self, position)
+    if position["step"] == 4 and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         os.kill(os.getpid(), signal.SIGKILL)
     return path
 checkpoint.Checkpointer.save = save_then_die

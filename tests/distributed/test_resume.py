@@ -86,7 +86,7 @@ def test_topology_change_4_to_2_to_1_sees_every_sample_once(four_ranks, tmp_path
 def test_convert_fsdp_checkpoint_matches_training_export(four_ranks, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from litft.convert import convert
+    from litft.checkpoint.convert import convert
 
     converted = convert(checkpoint(four_ranks, 6), out_dir=tmp_path / "hf")
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -112,7 +112,7 @@ def test_deepspeed_zero3_lora_resume_and_convert(tmp_path):
 
     from safetensors.torch import load_file
 
-    from litft.convert import convert
+    from litft.checkpoint.convert import convert
 
     adapter = convert(checkpoint(whole, 4), out_dir=tmp_path / "adapter", merge_lora=False)
     exported = load_file(whole / "final-adapter" / "adapter_model.safetensors")

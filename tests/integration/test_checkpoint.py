@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from litft.args import EvalArgs, TrainArgs
+from litft.config import EvalArgs, TrainArgs
 from litft.data import TextFiles, TinyTasks
 from litft.errors import LitftError
 from litft.jobs import finetune_full, finetune_lora, pretrain
@@ -91,7 +91,7 @@ def test_convert_lora_merged_and_adapter_match_training_model(tmp_path, tiny_dir
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from litft.convert import convert
+    from litft.checkpoint.convert import convert
 
     result = finetune_lora(data=TinyTasks(**DATA), out_dir=tmp_path / "run", eval=EVAL, lora_r=4, lora_dropout=0.0, train=train_args(max_steps=3))
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -173,14 +173,14 @@ def test_metadata_with_foreign_pickle_is_refused(tmp_path):
 
 KILL_DURING_SAVE = """
 import sys, time
-import litft.checkpoint as checkpoint
-real_write = checkpoint._write_synced
+import litft.checkpoint.manager as checkpoint
+real_write = checkpoint.write_synced
 def slow_write(path, text):
     if '"step": 4' in text:  # every rank's shards for step 4 are on disk, meta.json is not yet
         print("SAVING-STEP-4", flush=True)
         time.sleep(600)
     real_write(path, text)
-checkpoint._write_synced = slow_write
+checkpoint.write_synced = slow_write
 from litft.__main__ import main
 main(sys.argv[1:])
 """

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from litft.args import EvalArgs, TrainArgs
+from litft.config import EvalArgs, TrainArgs
 from litft.data import TextFiles, TinyTasks
 from litft.jobs import finetune_full, finetune_lora, pretrain
 from tests.conftest import read_metrics, step_losses

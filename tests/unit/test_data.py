@@ -116,7 +116,7 @@ def test_sample_order_gives_each_global_batch_whatever_the_world_size():
 def test_packed_rows_give_the_same_logits_as_separate_samples(tiny_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from litft.args import TrainArgs
+    from litft.config import TrainArgs
     from litft.model import CausalLM
 
     # Through the training forward: transformers only honours packed position ids without a KV cache.
@@ -139,7 +139,7 @@ def test_packed_rows_give_the_same_logits_as_separate_samples(tiny_dir, tokenize
 def test_right_padding_does_not_change_the_loss(tiny_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from litft.args import TrainArgs
+    from litft.config import TrainArgs
     from litft.model import CausalLM
 
     lm = CausalLM(AutoModelForCausalLM.from_pretrained(tiny_dir), TrainArgs()).eval()

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from litft.args import DeepSpeedArgs, FSDPArgs, TrainArgs
-from litft.estimate import GiB, Param, per_rank_states, render
-from litft.strategy import Parallelism
+from litft.config import DeepSpeedArgs, FSDPArgs, Layout, LoraArgs, TrainArgs
+from litft.estimate import render
+from litft.memory import GiB, Param
+from litft.strategies import SingleDevice, strategy_class
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "config_hub" / "models" / "llama-3.2-1b"
@@ -29,14 +30,9 @@ TRAINED = sum(t.nbytes for t in TENSORS if t.trainable)
 
 
 def states(strategy="auto", devices=1, num_nodes=1, fsdp=FSDPArgs(), deepspeed=DeepSpeedArgs(), tensors=TENSORS, precision="32-true"):
-    layout = Parallelism(strategy, devices, num_nodes, fsdp, deepspeed)
-    zero = None
-    if strategy == "deepspeed":
-        from litft.strategy import deepspeed_config
-
-        train = TrainArgs(global_batch_size=layout.world_size, micro_batch_size=1)
-        zero = deepspeed_config(deepspeed, train, layout.world_size, precision)["zero_optimization"]
-    got = per_rank_states(tensors, layout, precision, zero)
+    layout = Layout(strategy, devices, num_nodes, fsdp, deepspeed)
+    train = TrainArgs(global_batch_size=layout.world_size, micro_batch_size=1)
+    got = strategy_class(layout).memory_layout(tensors, layout, precision, train)
     return got, {name: row for name, row in got.buffers}
 
 
@@ -101,33 +97,24 @@ def test_zero_offload_moves_bytes_to_the_cpu_column():
 
 @pytest.mark.parametrize("quantize", [None, "bnb.nf4-dq"])
 def test_model_states_match_a_real_step(tiny_dir, quantize):
-    """The job's own module (jobs.run.build_module), one step, then strategy.model_state_bytes: trained adapters
+    """The job's own module (build.build_module), one step, then the strategy's state_bytes: trained adapters
     beside a frozen (or 4-bit) base. Full finetunes and two-rank layouts are checked against real runs' logs
     by benchmarks/estimate_check.py."""
-    job = "finetune_lora"
-    from litft.estimate import build_model, model_tensors
-    from litft.jobs.run import EvalArgs, LoraSpec, Run, build_module
-    from litft.lora import apply_lora
+    from litft.build import build_model, build_module
+    from litft.estimate.inventory import model_tensors
     from litft.model import load_config
-    from litft.strategy import model_state_bytes
 
-    lora = dict(r=4, alpha=8, dropout=0.0, target_modules="all-linear")
-    run = Run(
-        job=job, model=str(tiny_dir), data=None, out_dir=Path("."), precision="32-true", devices=1, num_nodes=1, strategy="auto",
-        accelerator="cpu", seed=0, overwrite=False, train=TrainArgs(), eval=EvalArgs(), quantize=quantize,
-        lora=LoraSpec(**lora),
-    )
-    transform = lambda m: apply_lora(m, **lora, quantized=quantize is not None, gradient_checkpointing=False)  # noqa: E731
-    lm = build_module(run, str(tiny_dir), "32-true", torch.device("cpu"), transform, total_steps=1)
-    lm.materialize(lm)
+    lora = LoraArgs(r=4, alpha=8, dropout=0.0, target_modules="all-linear", quantize=quantize)
+    lm, fill, _ = build_module(str(tiny_dir), "32-true", lora, TrainArgs(), 1, random_init=False, seed=0, device=torch.device("cpu"))
+    fill(lm)
     tokens = torch.randint(0, 300, (2, 16))
     optimizer = lm.configure_optimizers()["optimizer"]
     lm.training_step({"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(16).expand(2, -1)}).backward()
     optimizer.step()
-    held = model_state_bytes(types.SimpleNamespace(strategy=None), lm, optimizer)
+    held = SingleDevice(Layout(), "cpu", "32-true", TrainArgs()).state_bytes(lm, optimizer)
 
-    tensors = model_tensors(build_model(load_config(str(tiny_dir)), "32-true", quantize, lora, False), quantize)
-    got = per_rank_states(tensors, Parallelism("auto", 1, 1, FSDPArgs(), DeepSpeedArgs()), "32-true", None)
+    tensors = model_tensors(build_model(load_config(str(tiny_dir)), "32-true", lora, False), quantize)
+    got = SingleDevice.memory_layout(tensors, Layout(), "32-true", TrainArgs())
     quant_state = sum(t.quant_state for t in tensors)
     assert got.params.gpu - quant_state == held["params"]
     assert (got.grads.gpu, got.optimizer.gpu) == (held["grads"], held["optimizer"])
@@ -144,7 +131,9 @@ def test_saved_activations_match_saved_tensors_hooks():
     The peak over the whole step, with and without checkpointing, is checked by benchmarks/estimate_check.py."""
     from transformers import LlamaConfig
 
-    from litft.estimate import build_model, compute_view, measure_step, trace_activations
+    from benchmarks.activation_probe import measure_step
+    from litft.build import build_model
+    from litft.estimate.trace import trace_activations
     from litft.model import CausalLM
     from litft.weights import Materializer
 
@@ -152,14 +141,14 @@ def test_saved_activations_match_saved_tensors_hooks():
         vocab_size=384, hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         tie_word_embeddings=False,
     )
-    build = dict(precision="bf16-mixed", quantize=None, lora=dict(r=4, alpha=8, dropout=0.05, target_modules="all-linear"))
+    build = dict(precision="bf16-mixed", lora=LoraArgs(r=4, alpha=8, dropout=0.05, target_modules="all-linear"))
     lm = CausalLM(build_model(config, **build, gradient_checkpointing=False), TrainArgs())
     Materializer(lm.model, lm.hf_model, None, seed=0)(lm)
     lm.train()
     tokens = torch.randint(0, 384, (2, 128))
     batch = {"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(128).expand(2, -1)}
     measured = measure_step(lm, batch, torch.bfloat16, peak=False)
-    params_dtype, autocast = compute_view("single", "bf16-mixed", None)
+    params_dtype, autocast = SingleDevice.compute_view(Layout(), "bf16-mixed")
     estimated = trace_activations(config, dict(build, gradient_checkpointing=False), params_dtype, autocast, 2, 128)
     assert abs(estimated.saved - measured["saved"]) <= 0.05 * measured["saved"], (estimated, measured)
     assert estimated.per_layer > 0 and estimated.peak > estimated.saved

@@ -50,7 +50,7 @@ def build(config, checkpointing=False):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    if checkpointing:  # as litft.jobs.run does it
+    if checkpointing:  # as litft.build does it
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
@@ -63,10 +63,11 @@ def test_full_training_matches_flop_counter(kind):
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj"]])
 def test_lora_matches_flop_counter(targets):
+    from litft.config import LoraArgs
     from litft.lora import apply_lora
 
     config = small_config()
-    model = apply_lora(build(config), 8, 16, 0.0, targets, quantized=False, gradient_checkpointing=False)
+    model = apply_lora(build(config), LoraArgs(8, 16, 0.0, targets), gradient_checkpointing=False)
     expected = flops_per_token(config, SEQ, trained="lora", lora_r=8, lora_targets=targets)
     assert expected == pytest.approx(counted_flops_per_token(model), rel=0.01)
     # The frozen base needs input gradients only: well under full training's 3x forward.
@@ -74,6 +75,7 @@ def test_lora_matches_flop_counter(targets):
 
 
 def test_recompute_counts_the_hardware_work_of_activation_checkpointing():
+    from litft.config import LoraArgs
     from litft.lora import apply_lora
 
     config = small_config()
@@ -81,7 +83,7 @@ def test_recompute_counts_the_hardware_work_of_activation_checkpointing():
     assert full == pytest.approx(counted_flops_per_token(build(config, checkpointing=True)), rel=0.01)
     assert full > flops_per_token(config, SEQ)  # MFU's count leaves the recomputation out
     targets = ["q_proj", "v_proj"]
-    model = apply_lora(build(config, checkpointing=True), 8, 16, 0.0, targets, quantized=False, gradient_checkpointing=True)
+    model = apply_lora(build(config, checkpointing=True), LoraArgs(8, 16, 0.0, targets), gradient_checkpointing=True)
     lora = flops_per_token(config, SEQ, trained="lora", lora_r=8, lora_targets=targets, recompute=True)
     assert lora == pytest.approx(counted_flops_per_token(model), rel=0.01)
 

@@ -2,18 +2,16 @@
 
 import torch
 
-from litft.lora import apply_lora, quantization_config
-from litft.model import load_causal_lm
+from litft.build import build_model
+from litft.config import LoraArgs
+from litft.model import load_config
 
 
 def qlora_step(tiny_dir, validate_first: bool):
     """Loss and adapter gradients of one training step; optionally after an eval-mode forward without grad, as validation runs."""
-    model = load_causal_lm(
-        str(tiny_dir), random_init=False, dtype=torch.float32,
-        quantization_config=quantization_config("bnb.nf4-dq", torch.float32), device=torch.device("cpu"),
-    )
     torch.manual_seed(0)  # peft draws lora_A from the global generator
-    model = apply_lora(model, 4, 8, 0.0, "all-linear", quantized=True, gradient_checkpointing=False)
+    lora = LoraArgs(r=4, alpha=8, dropout=0.0, target_modules="all-linear", quantize="bnb.nf4-dq")
+    model = build_model(load_config(str(tiny_dir)), "32-true", lora, False, source=str(tiny_dir), device=torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:  # nonzero, so that gradients reach lora_A through the frozen layers after it

@@ -5,9 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from litft.args import DeepSpeedArgs, FSDPArgs, TrainArgs
+from litft.config import DeepSpeedArgs, FSDPArgs, Layout, TrainArgs
 from litft.errors import LitftError
-from litft.strategy import Parallelism, deepspeed_config
+from litft.strategies import checked_strategy_class
+from litft.strategies.deepspeed import deepspeed_config
+from litft.strategies.fsdp import mesh_shape
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = TrainArgs(global_batch_size=32, micro_batch_size=2, max_norm=0.5)
@@ -60,6 +62,6 @@ def test_user_config_that_disagrees_is_refused(tmp_path, content, message):
     ],
 )
 def test_fsdp_mesh_is_replicate_by_shard(kind, devices, nodes, shard_size, shape):
-    layout = Parallelism("fsdp", devices, nodes, FSDPArgs(sharding_strategy=kind, shard_size=shard_size), DeepSpeedArgs())
-    layout.check("cpu", "32-true")
-    assert layout.fsdp_mesh_shape() == shape
+    layout = Layout("fsdp", devices, nodes, FSDPArgs(sharding_strategy=kind, shard_size=shard_size), DeepSpeedArgs())
+    checked_strategy_class(layout, "cpu", "32-true")
+    assert mesh_shape(layout) == shape

@@ -11,9 +11,10 @@ from litft.weights import CheckpointWeights, Materializer, skeleton, transformer
 def materialized(tiny_dir, weights=True, seed=0, order="whole", lora=False):
     model = skeleton(load_config(str(tiny_dir)), torch.float32)
     if lora:
+        from litft.config import LoraArgs
         from litft.lora import apply_lora
 
-        model = apply_lora(model, 4, 8, 0.0, "all-linear", quantized=False, gradient_checkpointing=False)
+        model = apply_lora(model, LoraArgs(4, 8, 0.0, "all-linear"), gradient_checkpointing=False)
     hf = model.get_base_model() if lora else model
     fill = Materializer(model, hf, CheckpointWeights(tiny_dir) if weights else None, seed)
     if order == "blocks":

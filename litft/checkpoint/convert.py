@@ -1,11 +1,11 @@
 """``litft convert``: a training checkpoint becomes a Hugging Face folder, one transformer block at a time.
 
-A DCP checkpoint stores every trained tensor by name, so each block's tensors can
-be read on their own, merged with their LoRA adapters, written to their own
-safetensors file and dropped before the next block is read: the export never
+A checkpoint stores every trained tensor by name, so each block's tensors can be
+read on their own, merged with their LoRA adapters, written to their own place in
+a safetensors file and dropped before the next block is read: the export never
 holds more than one block, however large the model and however many ranks wrote
-the checkpoint. Frozen base weights (LoRA) are read tensor by tensor from the
-model the run started from.
+the checkpoint. Frozen base weights (LoRA) are read tensor by tensor from the model
+the run started from.
 """
 
 import json
@@ -14,78 +14,26 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, Iterable, List, Literal, Optional
+from typing import Dict, List, Literal, Optional
 
 import torch
+import yaml
+from peft import LoraConfig
+from safetensors.torch import save_file
 
+from litft.checkpoint.format import RUN_CONFIG, CheckpointMeta, TrainedTensors, resolve_resume
 from litft.errors import LitftError
+from litft.model import load_config, load_tokenizer, resolve_model
+from litft.strategies import writer_of
+from litft.weights import CheckpointWeights, locate_checkpoint, skeleton, transformer_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ADAPTER_KEY = re.compile(r"\.(lora_[AB])\.default\.weight$")
 
 
-# ---------------------------------------------------------------- trained tensors, by name
-
-
-class TrainedTensors:
-    """The tensors a checkpoint trained, named as in the training model (peft names under LoRA)."""
-
-    def __init__(self, checkpoint: Path, meta: dict):
-        self.checkpoint = checkpoint
-        self.whole: Optional[Dict[str, torch.Tensor]] = None
-        if meta["format"] == "deepspeed":
-            self.whole = _deepspeed_state(checkpoint, meta["zero_stage"])
-            self.shapes = {k: (tuple(v.shape), v.dtype) for k, v in self.whole.items()}
-        else:
-            from litft.checkpoint import safe_reader
-
-            stored = safe_reader(checkpoint / "model").read_metadata().state_dict_metadata
-            self.shapes = {
-                k.removeprefix("model."): (tuple(v.size), v.properties.dtype)
-                for k, v in stored.items()
-                if k.startswith("model.") and hasattr(v, "properties")
-            }
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.shapes
-
-    def read(self, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        names = [n for n in names if n in self.shapes]
-        if self.whole is not None:
-            return {n: self.whole[n] for n in names}
-        if not names:
-            return {}
-        import torch.distributed.checkpoint as dcp
-
-        from litft.checkpoint import safe_reader
-
-        wanted = {n: torch.empty(self.shapes[n][0], dtype=self.shapes[n][1]) for n in names}
-        dcp.load({"model": wanted}, storage_reader=safe_reader(self.checkpoint / "model"), no_dist=True)
-        return wanted
-
-
-def _deepspeed_state(checkpoint: Path, stage: int) -> Dict[str, torch.Tensor]:
-    """DeepSpeed's trained tensors, whole: ZeRO's fp32 partitions consolidated, or stage 0's module state as saved."""
-    from litft.checkpoint import deepspeed_safe_loading
-
-    with deepspeed_safe_loading():
-        if stage == 0:
-            state = torch.load(checkpoint / "deepspeed" / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
-        else:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="deepspeed")
-    return {k.removeprefix("model."): v for k, v in state.items()}
-
-
-# ---------------------------------------------------------------- the export
-
-
 def block_groups(hf_model) -> List[List[str]]:
     """The model's parameter names, one list per transformer block, then one per other module (embeddings, norm, head)."""
-    from litft.weights import transformer_blocks
-
     module_names = {id(m): n for n, m in hf_model.named_modules()}
     prefixes = [module_names[id(b)] + "." for b in transformer_blocks(hf_model)]
     groups: Dict[str, List[str]] = {p: [] for p in prefixes}
@@ -111,8 +59,6 @@ def convert(
         dtype: float32, bfloat16 or float16 (default: the dtype the weights were trained in).
         max_shard_gb: Largest safetensors file; bigger models get several and an index, as on the hub.
     """
-    from litft.checkpoint import resolve_resume
-
     path = resolve_resume(str(checkpoint), Path(checkpoint))
     target = Path(out_dir) if out_dir is not None else path.parent / f"{path.name}-hf"
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
@@ -124,22 +70,19 @@ def convert(
 
 def export(path: Path, target: Path, merge_lora: bool = True, dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write ``target`` beside itself under a temporary name, then swap it in: a crash leaves any earlier one whole."""
-    import yaml
-
-    from litft.checkpoint import read_meta
-
-    meta = read_meta(path)
-    run_config = yaml.safe_load((path / "run_config.yaml").read_text())
+    meta = CheckpointMeta.read(path)
+    run_config = yaml.safe_load((path / RUN_CONFIG).read_text())
     staging, old = target.parent / f".{target.name}.partial", target.parent / f".{target.name}.old"
     for leftover in (staging, old):
         shutil.rmtree(leftover, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        lora = meta["job"] == "finetune_lora"
+        trained = writer_of(meta).read_trained(path, meta)
+        lora = meta.job == "finetune_lora"
         if lora and not merge_lora:
-            _write_adapter(path, meta, run_config, staging, dtype)
+            _write_adapter(trained, meta, run_config, staging, dtype)
         else:
-            _write_model(path, meta, run_config, staging, dtype, lora, max_shard_bytes)
+            _write_model(trained, meta, run_config, staging, dtype, lora, max_shard_bytes)
         if target.exists():
             os.rename(target, old)
         os.rename(staging, target)
@@ -149,30 +92,26 @@ def export(path: Path, target: Path, merge_lora: bool = True, dtype: Optional[st
     return target
 
 
-def _write_model(path: Path, meta: dict, run_config: dict, staging: Path, dtype: Optional[str], lora: bool, max_shard_bytes: int) -> None:
-    from litft.model import load_config, load_tokenizer, resolve_model
-    from litft.weights import CheckpointWeights, locate_checkpoint, skeleton
-
-    source = resolve_model(meta["model"])
+def _write_model(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict, staging: Path, dtype: Optional[str], lora: bool, max_shard_bytes: int) -> None:
+    source = resolve_model(meta.model)
     config = load_config(source)
-    trained = TrainedTensors(path, meta)
     out_dtype = DTYPES[dtype] if dtype else next(iter(trained.shapes.values()))[1]
     # Frozen base weights come from the model the run started from (LoRA; a full run trains them all).
     base = CheckpointWeights(locate_checkpoint(source)) if lora else None
     scale = run_config["lora_alpha"] / run_config["lora_r"] if lora else 0.0
     prefix = "base_model.model." if lora else ""
     model = skeleton(config, out_dtype)
-    shapes = dict((n, tuple(p.shape)) for n, p in model.named_parameters())
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     groups = block_groups(model)
     used = set()
     with SafetensorsWriter(staging, [(n, shapes[n]) for g in groups for n in g], out_dtype, max_shard_bytes) as writer:
         for names in groups:
-            block, read = _block_tensors(names, trained, base, prefix, scale, meta["job"])
+            block, read = _block_tensors(names, trained, base, prefix, scale, meta.job)
             used |= read
             for name in names:
                 writer.write(name, block[name])
             del block  # the next block is read only now
-    left = sorted(set(meta["trained_shapes"]) - used)
+    left = sorted(set(meta.trained_shapes) - used)
     if left:
         raise LitftError(f"the checkpoint trained {left[0]}, which cannot be merged into the model; convert with --merge_lora false")
     if getattr(config, "quantization_config", None) is not None:
@@ -182,7 +121,7 @@ def _write_model(path: Path, meta: dict, run_config: dict, staging: Path, dtype:
     generation = locate_checkpoint(source) / "generation_config.json"
     if generation.is_file():
         shutil.copy(generation, staging / generation.name)
-    load_tokenizer(resolve_model(run_config.get("tokenizer") or meta["model"])).save_pretrained(staging)
+    load_tokenizer(resolve_model(run_config.get("tokenizer") or meta.model)).save_pretrained(staging)
 
 
 class SafetensorsWriter:
@@ -262,7 +201,6 @@ def _block_tensors(names: List[str], trained: TrainedTensors, base, prefix: str,
     wanted = [prefix + n for n in names] + [k for pair in adapters.values() for k in pair]
     values = trained.read(wanted)
     block = {}
-    read = set(values)
     for name in names:
         if prefix + name in values:
             block[name] = values[prefix + name]
@@ -274,24 +212,18 @@ def _block_tensors(names: List[str], trained: TrainedTensors, base, prefix: str,
         if name.endswith(".weight") and a_key in values:
             delta = values[b_key].float() @ values[a_key].float()
             block[name] = (block[name].float() + scale * delta).to(block[name].dtype)
-    return block, read
+    return block, set(values)
 
 
-def _write_adapter(path: Path, meta: dict, run_config: dict, staging: Path, dtype: Optional[str]) -> None:
+def _write_adapter(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict, staging: Path, dtype: Optional[str]) -> None:
     """The LoRA adapter alone, as the peft folder that ``PeftModel.from_pretrained`` reads."""
-    from peft import LoraConfig
-    from safetensors.torch import save_file
-
-    from litft.model import load_tokenizer, resolve_model
-
-    trained = TrainedTensors(path, meta)
     tensors = trained.read([n for n in trained.shapes if ADAPTER_KEY.search(n)])
     out_dtype = DTYPES[dtype] if dtype else None
     saved = {ADAPTER_KEY.sub(r".\1.weight", k): (v.to(out_dtype) if out_dtype else v).contiguous() for k, v in tensors.items()}
     targets = sorted({k.removesuffix(".lora_A.default.weight").rsplit(".", 1)[-1] for k in tensors if ".lora_A." in k})
     LoraConfig(
         r=run_config["lora_r"], lora_alpha=run_config["lora_alpha"], lora_dropout=run_config["lora_dropout"],
-        target_modules=targets, task_type="CAUSAL_LM", bias="none", base_model_name_or_path=meta["model"],
+        target_modules=targets, task_type="CAUSAL_LM", bias="none", base_model_name_or_path=meta.model,
     ).save_pretrained(str(staging))
     save_file(saved, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
-    load_tokenizer(resolve_model(run_config.get("tokenizer") or meta["model"])).save_pretrained(staging)
+    load_tokenizer(resolve_model(run_config.get("tokenizer") or meta.model)).save_pretrained(staging)

@@ -1,0 +1,60 @@
+"""The model a run trains, built by one function for the jobs and for ``litft estimate``.
+
+Every model is built on the meta device (no memory), LoRA is applied there, and it
+gets real values only later, one unit at a time (``weights.Materializer``), as the
+strategy asks. A 4-bit base is the exception: bitsandbytes quantizes while
+loading, so a job loads it for real onto its device; the estimate puts the same
+4-bit layers in place without weights.
+"""
+
+import warnings
+from typing import Optional, Tuple
+
+from transformers.quantizers import AutoHfQuantizer
+
+from litft.config import LoraArgs, TrainArgs
+from litft.device import compute_dtype, param_dtype
+from litft.lora import apply_lora, quantization_config
+from litft.model import CausalLM, load_causal_lm, load_config
+from litft.strategies.base import Fill
+from litft.weights import CheckpointWeights, Materializer, locate_checkpoint, skeleton
+
+
+def build_model(config, precision: str, lora: Optional[LoraArgs], gradient_checkpointing: bool, *, source: Optional[str] = None, device=None):
+    """The job's model: its structure on the meta device, LoRA applied.
+
+    A 4-bit base (``lora.quantize``) is loaded for real from ``source`` onto
+    ``device`` when a source is given (a job); without one (the estimate) its
+    layers are replaced as transformers replaces them while loading.
+    """
+    quantize = lora.quantize if lora is not None else None
+    quantization = quantization_config(quantize, compute_dtype(precision))
+    if quantize is not None and source is not None:
+        model = load_causal_lm(source, random_init=False, dtype=param_dtype(precision), quantization_config=quantization, device=device)
+    else:
+        model = skeleton(config, param_dtype(precision))
+        if quantize is not None:
+            # transformers' own choice of which Linear layers load in 4 bits (not the output head).
+            AutoHfQuantizer.from_config(quantization, pre_quantized=False).preprocess_model(model, device_map=None)
+            model.is_loaded_in_4bit = True  # what loading the weights would set; peft reads it
+    with warnings.catch_warnings():
+        # peft asks transformers 5 for is_gradient_checkpointing, which it has renamed; advice for peft, not the user.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora is not None:
+            model = apply_lora(model, lora, gradient_checkpointing)
+    return model
+
+
+def build_module(
+    source: str, precision: str, lora: Optional[LoraArgs], train: TrainArgs, total_steps: int, *, random_init: bool, seed: int, device,
+) -> Tuple[CausalLM, Fill, bool]:
+    """The LightningModule, the fill that gives its meta tensors values, and whether it is already on ``device``."""
+    model = build_model(load_config(source), precision, lora, train.gradient_checkpointing, source=source, device=device)
+    lm = CausalLM(model, train, total_steps=total_steps)
+    if lora is not None and lora.quantize is not None:
+        return lm, lambda part: None, True
+    weights = None if random_init else CheckpointWeights(locate_checkpoint(source))
+    return lm, Materializer(lm.model, lm.hf_model, weights, seed), False
+

@@ -1,0 +1,199 @@
+"""The flag groups of a run: typed, each with ``--help`` text in its attribute docstrings, each checking itself.
+
+Every group is built once from the command line (or a YAML file) and checked
+before any process starts or any file is touched; the jobs and ``litft
+estimate`` build the same groups and run the same checks.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Literal, Optional, Union
+
+from litft.errors import LitftError
+
+Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+Accelerator = Literal["auto", "cpu", "cuda", "gpu"]
+StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed"]
+Quantize = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq"]
+STRATEGY_NAMES = ("auto", "ddp", "fsdp", "deepspeed")
+QUANTIZE_CHOICES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq")
+
+
+def at_least(value: Optional[int], minimum: int, flag: str, nullable: str = "") -> None:
+    """One line for an integer flag below its minimum; ``nullable`` says what null means, where null is allowed."""
+    if value is not None and value < minimum:
+        raise LitftError(f"{flag} must be at least {minimum}{f' (or null {nullable})' if nullable else ''}, got {value}")
+
+
+@dataclass
+class TrainArgs:
+    """What the training loop does: batch, schedule, length of the run."""
+
+    global_batch_size: int = 16
+    """Samples per optimizer step, summed over every rank and accumulation step."""
+    micro_batch_size: int = 4
+    """Samples in one forward/backward pass on one rank; accumulation makes up the rest."""
+    epochs: Optional[int] = None
+    """Passes over the training data; the run stops at the first limit set (one epoch when none is)."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps."""
+    max_tokens: Optional[int] = None
+    """Stop once this many input tokens (all ranks together) have been trained on."""
+    learning_rate: float = 3e-4
+    """Peak learning rate of AdamW, reached after warmup."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Steps of linear warmup from 0 to learning_rate."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    max_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this value (None: no clipping)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    stop_after_steps: Optional[int] = None
+    """End this launch after this many steps with a checkpoint, as a stop signal does (for queues whose time limit is shorter than the run: each job continues with --resume auto)."""
+    log_interval: int = 1
+    """Log metrics every this many optimizer steps."""
+    save_interval: Optional[int] = 1000
+    """Write a resumable checkpoint to out_dir/checkpoints every this many optimizer steps (one is always written at the end; null: only then)."""
+    keep_checkpoints: int = 2
+    """Finished checkpoints kept in out_dir/checkpoints; older ones are deleted once a newer one is complete."""
+    peak_tflops: Optional[float] = None
+    """Dense peak TFLOP/s of one device at the run's precision, for MFU (default: litft/flops.py's table for known GPUs; none for the CPU)."""
+    record_sample_ids: bool = False
+    """Each rank writes the indices of the samples it trained on, per step, to out_dir/logs/samples/rank-N.jsonl (to audit data order across resumes)."""
+
+    def check(self, world_size: int) -> None:
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
+        if self.global_batch_size % (self.micro_batch_size * world_size):
+            raise LitftError(
+                f"--train.global_batch_size {self.global_batch_size} is not divisible by micro_batch_size x world size "
+                f"({self.micro_batch_size} x {world_size} = {self.micro_batch_size * world_size}); change one of them"
+            )
+        for name in ("epochs", "max_steps", "max_tokens", "stop_after_steps"):
+            at_least(getattr(self, name), 1, f"--train.{name}", "for no limit")
+        at_least(self.log_interval, 1, "--train.log_interval")
+        at_least(self.save_interval, 1, "--train.save_interval", "to save only at the end")
+        at_least(self.keep_checkpoints, 1, "--train.keep_checkpoints")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise LitftError(f"--train.peak_tflops must be positive (one device's dense peak at the run's precision), got {self.peak_tflops}")
+
+
+@dataclass
+class EvalArgs:
+    """When and how much the loop validates."""
+
+    interval: int = 100
+    """Validate every this many optimizer steps (0: only at the start and end)."""
+    max_batches: Optional[int] = None
+    """Micro-batches of validation data per rank at each validation (None: all of it)."""
+    initial_validation: bool = True
+    """Validate before the first step, so the log shows where training started."""
+    final_validation: bool = True
+    """Validate after the last step."""
+    score_samples: int = 0
+    """Validation prompts answered by greedy generation and scored by exact match, at start and end (0: off; instruction data only)."""
+    max_new_tokens: int = 32
+    """Longest answer generated when scoring."""
+
+    def check(self, instruction_data: bool) -> None:
+        at_least(self.interval, 0, "--eval.interval")
+        at_least(self.max_batches, 1, "--eval.max_batches", "for all of the validation data")
+        at_least(self.score_samples, 0, "--eval.score_samples")
+        at_least(self.max_new_tokens, 1, "--eval.max_new_tokens")
+        if self.score_samples and not instruction_data:
+            raise LitftError("--eval.score_samples needs instruction data (prompts with answers); set it to 0 for plain text")
+
+
+@dataclass
+class FSDPArgs:
+    """How --strategy fsdp shards the model (FSDP2: one shard unit per transformer block, then the root)."""
+
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "HYBRID_SHARD"
+    """FULL_SHARD: shard over every rank; SHARD_GRAD_OP: also keep gathered weights from forward to backward; HYBRID_SHARD: shard inside a group, replicate across groups; NO_SHARD: replicate (like DDP)."""
+    shard_size: Optional[int] = None
+    """HYBRID_SHARD: ranks that share one sharded copy of the model (default: --devices, i.e. one node)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer states in CPU memory between uses (GPU only)."""
+
+
+@dataclass
+class DeepSpeedArgs:
+    """How --strategy deepspeed partitions the training state (DeepSpeed ZeRO)."""
+
+    stage: Literal[0, 1, 2, 3] = 2
+    """ZeRO stage: 0 replicates everything, 1 partitions optimizer states, 2 also gradients, 3 also parameters."""
+    offload_optimizer: Optional[Literal["cpu", "nvme"]] = None
+    """Move optimizer states (and the step) to CPU memory or NVMe (stage 1 and up)."""
+    offload_parameters: Optional[Literal["cpu", "nvme"]] = None
+    """Move partitioned parameters to CPU memory or NVMe (stage 3 only)."""
+    nvme_path: Path = Path("/local_nvme")
+    """Folder on a fast local disk for nvme offload."""
+    config: Optional[Path] = None
+    """A DeepSpeed JSON config; its "auto" values are filled from litft's flags (batch sizes, clipping, precision)."""
+
+
+@dataclass
+class LoraArgs:
+    """LoRA adapters on a frozen base, and QLoRA's 4-bit base: one group, however the flags were given."""
+
+    r: int = 8
+    alpha: float = 16
+    dropout: float = 0.05
+    target_modules: Union[str, List[str]] = "all-linear"
+    quantize: Optional[str] = None
+
+    def check(self) -> None:
+        at_least(self.r, 1, "--lora_r")
+        if not self.alpha > 0:
+            raise LitftError(f"--lora_alpha must be positive (the update is scaled by alpha / r), got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise LitftError(f"--lora_dropout is a probability in [0, 1), got {self.dropout}")
+        if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
+            raise LitftError(f"--quantize {self.quantize} is unknown; choose one of {', '.join(QUANTIZE_CHOICES)}")
+        if not self.target_modules:
+            raise LitftError("--lora_target_modules names no module; give module names or all-linear")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+    @property
+    def targets(self) -> Union[str, List[str]]:
+        return self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
+
+
+@dataclass
+class Layout:
+    """Where a run's processes are and how they share the model: the strategy and its option groups."""
+
+    strategy: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    fsdp: FSDPArgs = field(default_factory=FSDPArgs)
+    deepspeed: DeepSpeedArgs = field(default_factory=DeepSpeedArgs)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    def accumulation(self, train: TrainArgs) -> int:
+        """Micro-batches each rank runs per optimizer step."""
+        return train.global_batch_size // (train.micro_batch_size * self.world_size)
+
+    def check(self) -> None:
+        """What holds for every strategy; the chosen strategy checks the rest (``strategies.checked_strategy_class``)."""
+        if self.devices < 1 or self.num_nodes < 1:
+            raise LitftError("--devices and --num_nodes must be at least 1")
+        if self.strategy not in STRATEGY_NAMES:
+            raise LitftError(f"--strategy {self.strategy} is unknown; choose one of {', '.join(STRATEGY_NAMES)}")
+
+    def options(self, group: str):
+        """The option group of that name (``fsdp``, ``deepspeed``), as the user gave it."""
+        return getattr(self, group)

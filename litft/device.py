@@ -1,0 +1,39 @@
+"""Which device a run trains on and in which number formats."""
+
+from typing import Optional
+
+import torch
+
+from litft.errors import LitftError
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
+        raise LitftError(f"--accelerator {accelerator} was asked for but no CUDA device is visible; use --accelerator cpu")
+    return "cuda" if accelerator == "gpu" else accelerator
+
+
+def resolve_precision(precision: Optional[str], accelerator: str) -> str:
+    """bf16-mixed where the GPU supports it, full fp32 elsewhere, unless the user chose."""
+    if precision is None:
+        if accelerator == "cuda" and torch.cuda.is_bf16_supported():
+            return "bf16-mixed"
+        return "32-true"
+    if precision == "16-mixed" and accelerator == "cpu":
+        raise LitftError("--precision 16-mixed needs a GPU (fp16 autocast is not supported on the CPU); use bf16-mixed or 32-true")
+    return precision
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype weights are stored in: the low-precision one for *-true, fp32 under autocast."""
+    return {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(precision, torch.float32)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else torch.float32
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

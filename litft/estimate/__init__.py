@@ -1,0 +1,62 @@
+"""``litft estimate``: GPU and CPU memory of one rank of a training run, from the model's config alone.
+
+A run that does not fit is found out after the model has loaded, the processes
+have met and the first step has run; on a queued cluster that is hours. The
+estimate builds the model the job builds (``build.build_model``, with the same
+flag groups and checks) on the meta device, so trained and frozen parameters,
+4-bit layers and FSDP units are counted exactly; the chosen strategy lays them
+out on the fullest rank as it does in real runs (``memory_layout``); activations
+come from a traced training step (``estimate.trace``).
+"""
+
+import inspect
+import json as jsonlib
+from typing import Literal, Optional
+
+from litft.config import TrainArgs
+from litft.estimate.plan import plan_memory, render
+from litft.flags import (
+    DEEPSPEED, DEVICES, FSDP, JOB, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, MODEL, NUM_NODES, PRECISION, QUANTIZE, STRATEGY,
+    TRAIN, Flag, command, required,
+)
+
+ESTIMATE_FLAGS = [
+    required(MODEL, "Hugging Face hub id, or a folder (or config.json) with the model's config; no weights are read."),
+    Flag("job", JOB, "finetune_lora", "What trains: finetune_lora (adapters on a frozen base), finetune_full or pretrain (every weight)."),
+    PRECISION.but(help="32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed, or 16-mixed on GPUs without bf16)."),
+    DEVICES,
+    NUM_NODES,
+    STRATEGY.but(help="auto (one device, or DDP for several), ddp, fsdp or deepspeed, as for the jobs."),
+    FSDP,
+    DEEPSPEED,
+    QUANTIZE.but(help="QLoRA's 4-bit base (finetune_lora only)."),
+    LORA_R,
+    LORA_ALPHA.but(help="Adapter scale numerator."),
+    LORA_DROPOUT.but(help="Dropout on the adapters' input (it keeps a copy of their input for backward)."),
+    LORA_TARGETS.but(help='Module names to adapt, or "all-linear".'),
+    TRAIN.but(default=TrainArgs(micro_batch_size=1), help="Only micro_batch_size and gradient_checkpointing change memory (accumulation does not)."),
+    Flag("seq_len", int, 2048, "Tokens in each sample of a micro-batch (the data's max_seq_length, or the packed row length)."),
+    Flag("gpu", str, "H100", "The device, by name: H100, H200, A100, A100-40GB, L40S, L4, A10G, ... (memory as torch.cuda reports it)."),
+    Flag("device_memory_gb", Optional[float], None, "Memory of one device in GiB; overrides --gpu."),
+    Flag("headroom", float, 0.1, "Share of device memory to leave free for the allocator's fragmentation and what is not counted."),
+    Flag("attention", Optional[Literal["sdpa", "eager"]], None, "Attention kernel to estimate for (default: what transformers picks for the model, as the jobs do)."),
+    Flag("json", bool, False, "Print the estimate as JSON instead of a table."),
+]
+
+
+@command(ESTIMATE_FLAGS)
+def estimate(**flags) -> dict:
+    """Estimate the GPU and CPU memory one rank of a training run needs, from the model's config alone."""
+    plan = plan_memory(flags)
+    print(jsonlib.dumps(plan, indent=2) if flags["json"] else render(plan))
+    return plan
+
+
+def memory_plan(**flags) -> dict:
+    """The estimate as data, for code: the same keywords and defaults as ``litft estimate``'s flags."""
+    bound = inspect.signature(estimate).bind(**flags)
+    bound.apply_defaults()
+    return plan_memory(dict(bound.arguments))
+
+
+__all__ = ["estimate", "memory_plan", "plan_memory", "render"]

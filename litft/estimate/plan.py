@@ -1,0 +1,214 @@
+"""The estimate itself: the job's model and checks, the strategy's layout, the traced activations, and the table."""
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional, Tuple
+
+from litft.build import build_model
+from litft.config import Layout, LoraArgs, TrainArgs
+from litft.device import compute_dtype, element_size
+from litft.errors import LitftError
+from litft.estimate.inventory import model_tensors
+from litft.estimate.trace import trace_activations
+from litft.logs import quiet_libraries
+from litft.memory import GiB, Row
+from litft.model import load_config, resolve_model
+from litft.strategies import checked_strategy_class
+
+# Memory as torch.cuda reports total_memory, in GiB (a little under the marketed size).
+GPUS = {
+    "H100": 79.2, "H100-80GB": 79.2, "H100-94GB": 93.1, "H200": 139.8, "GH200": 94.5, "B200": 178.4,
+    "A100": 79.3, "A100-80GB": 79.3, "A100-40GB": 39.6, "L40S": 44.5, "L40": 44.5, "L4": 22.0, "A10G": 22.0, "A10": 22.0,
+    "V100": 31.7, "V100-32GB": 31.7, "V100-16GB": 15.8, "T4": 14.6, "RTX4090": 23.6, "RTX3090": 23.6, "MI300X": 191.5,
+}
+NO_BF16 = ("V100", "T4")
+# The CUDA context with cuBLAS workspaces (about 0.5 GiB with lazy module loading),
+# and NCCL's communicators and channel buffers once there is more than one rank.
+CUDA_CONTEXT = 0.5 * GiB
+NCCL_BUFFERS = 0.5 * GiB
+
+
+def device_memory(gpu: str, memory_gb: Optional[float]) -> Tuple[str, float]:
+    if memory_gb is not None:
+        if memory_gb <= 0:
+            raise LitftError(f"--device_memory_gb must be positive, got {memory_gb}")
+        return f"{memory_gb:g} GiB device", memory_gb * GiB
+    names = {name.upper().replace(" ", "").replace("_", "-"): name for name in GPUS}
+    key = gpu.upper().replace(" ", "").replace("_", "-")
+    if key not in names:
+        raise LitftError(f"--gpu {gpu} is unknown; choose one of {', '.join(GPUS)} or give --device_memory_gb")
+    return names[key], GPUS[names[key]] * GiB
+
+
+def checked_run(flags: dict, precision: str):
+    """The job's flag groups, checked with the jobs' own checks: the layout, its strategy, LoRA and a one-step train."""
+    if flags["seq_len"] < 1:
+        raise LitftError("--seq_len must be at least 1")
+    if not 0 <= flags["headroom"] < 1:
+        raise LitftError(f"--headroom is a share of device memory between 0 and 1, got {flags['headroom']}")
+    if flags["quantize"] is not None and flags["job"] != "finetune_lora":
+        raise LitftError("--quantize trains 4-bit weights only through LoRA adapters; use finetune_lora")
+    layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"])
+    lora = None
+    if flags["job"] == "finetune_lora":
+        lora = LoraArgs(flags["lora_r"], flags["lora_alpha"], flags["lora_dropout"], flags["lora_target_modules"], flags["quantize"])
+        lora.check()
+    train: TrainArgs = flags["train"]
+    # Accumulation does not change memory: one micro-batch per rank and step stands for any global batch.
+    one_step = replace(train, global_batch_size=max(train.micro_batch_size, 1) * max(layout.world_size, 1))
+    one_step.check(max(layout.world_size, 1))
+    strategy = checked_strategy_class(layout, "cuda", precision)
+    return layout, lora, one_step, strategy
+
+
+def plan_memory(flags: dict) -> dict:
+    """Everything ``litft estimate`` prints, as a dict of bytes."""
+    gpu_name, capacity = device_memory(flags["gpu"], flags["device_memory_gb"])
+    precision = flags["precision"] or ("16-mixed" if gpu_name.upper().startswith(NO_BF16) else "bf16-mixed")
+    layout, lora, train, strategy = checked_run(flags, precision)
+    quiet_libraries()
+    source = flags["model"]
+    if source.endswith(".json") and Path(source).is_file():
+        source = str(Path(source).parent)
+    config = load_config(resolve_model(source))
+    if flags["attention"] is not None:
+        config._attn_implementation = flags["attention"]
+    tensors = model_tensors(build_model(config, precision, lora, False), flags["quantize"])
+    states = strategy.memory_layout(tensors, layout, precision, train)
+    facts = strategy.facts(layout, precision)
+
+    params_dtype, autocast = strategy.compute_view(layout, precision)
+    traced = {}
+    for checkpointing in (train.gradient_checkpointing, not train.gradient_checkpointing):
+        build = {"precision": precision, "lora": lora, "gradient_checkpointing": checkpointing}
+        traced[checkpointing] = trace_activations(config, build, params_dtype, autocast, train.micro_batch_size, flags["seq_len"])
+    acts = traced[train.gradient_checkpointing]
+    buffers = list(states.buffers)
+    if flags["quantize"] is not None:
+        biggest = max((t.numel for t in tensors if t.quantized), default=0)
+        buffers.append(("bnb dequantized weight", Row(biggest * element_size(compute_dtype(precision)), note="the largest 4-bit layer, during its matmul")))
+    context = CUDA_CONTEXT + (NCCL_BUFFERS if layout.world_size > 1 else 0)
+
+    gpu_fixed = states.params.gpu + states.grads.gpu + states.optimizer.gpu + context
+    gpu_buffers = sum(row.gpu for _, row in buffers)
+    gpu_total = gpu_fixed + max(acts.peak + gpu_buffers, states.step.gpu)
+    other = traced[not train.gradient_checkpointing]
+    gpu_total_other = gpu_fixed + max(other.peak + gpu_buffers, states.step.gpu)
+    cpu_total = states.params.cpu + states.grads.cpu + states.optimizer.cpu + sum(row.cpu for _, row in buffers) + states.step.cpu
+    usable = capacity * (1 - flags["headroom"])
+
+    def row(r: Row) -> dict:
+        return {"gpu": int(r.gpu), "cpu": int(r.cpu), "note": r.note}
+
+    return {
+        "model": flags["model"],
+        "job": flags["job"],
+        **facts,
+        "world_size": layout.world_size,
+        "precision": precision,
+        "quantize": flags["quantize"],
+        "micro_batch_size": train.micro_batch_size,
+        "seq_len": flags["seq_len"],
+        "gradient_checkpointing": train.gradient_checkpointing,
+        "attention": config._attn_implementation,
+        "parameters": {
+            "total": sum(t.numel for t in tensors), "trained": sum(t.numel for t in tensors if t.trainable),
+            "quantized": sum(t.numel for t in tensors if t.quantized),
+        },
+        "per_rank": {
+            "params": row(states.params),
+            "grads": row(states.grads),
+            "optimizer": row(states.optimizer),
+            "activations": {"gpu": acts.peak, "cpu": 0, "note": ""},
+            "buffers": {name: row(r) for name, r in buffers},
+            "cuda_context": {"gpu": int(context), "cpu": 0, "note": "CUDA context" + (" + NCCL" if layout.world_size > 1 else "")},
+            "optimizer_step": row(states.step),
+        },
+        "quant_state_bytes": sum(t.quant_state for t in tensors),
+        "activations": {
+            "peak": acts.peak,
+            "saved": acts.saved,
+            "per_layer": acts.per_layer,
+            "outside_layers": acts.outside_layers,
+            "with_checkpointing": traced[True].peak,
+            "without_checkpointing": traced[False].peak,
+        },
+        "total": {"gpu": int(gpu_total), "cpu": int(cpu_total)},
+        # The same run with activation checkpointing switched the other way.
+        "total_other_checkpointing": {"gradient_checkpointing": not train.gradient_checkpointing, "gpu": int(gpu_total_other)},
+        "device": {"name": gpu_name, "memory": int(capacity), "usable": int(usable), "headroom": flags["headroom"]},
+        "fits": gpu_total <= usable,
+    }
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:8.2f}"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def render(plan: dict) -> str:
+    """The estimate as a table, in GiB per rank."""
+    rank = plan["per_rank"]
+    p = plan["parameters"]
+    what = {"finetune_lora": "LoRA", "finetune_full": "full finetune", "pretrain": "pretrain"}[plan["job"]]
+    if plan["quantize"]:
+        what += f" on a {plan['quantize']} base"
+    layout = plan["strategy"]
+    if plan["shard_group"] is not None:
+        one_group = plan["strategy"].endswith("HYBRID_SHARD") and plan["shard_group"] == plan["world_size"]
+        layout += f" (one shard group of {plan['shard_group']}: FULL_SHARD)" if one_group else f" (shard group {plan['shard_group']})"
+    acts = plan["activations"]
+    lines = [
+        f"litft estimate: {plan['model']}, {what}, {layout}, world size {plan['world_size']}, {plan['precision']}",
+        f"{_count(p['total'])} parameters, {_count(p['trained'])} trained; "
+        f"micro batch {plan['micro_batch_size']} x {plan['seq_len']} tokens, "
+        f"activation checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, {plan['attention']} attention",
+        "",
+        f"{'per rank (the fullest), GiB':<34}{'GPU':>8}  {'CPU':>8}",
+    ]
+
+    def line(label: str, item: dict, note: str = "") -> None:
+        note = note or item.get("note", "")
+        lines.append(f"{label:<34}{_gib(item['gpu'])}  {_gib(item['cpu'])}  {note}".rstrip())
+
+    line("parameters", rank["params"])
+    line("gradients", rank["grads"])
+    line("optimizer states", rank["optimizer"])
+    other = acts["without_checkpointing"] if plan["gradient_checkpointing"] else acts["with_checkpointing"]
+    line(
+        "activations (peak)", rank["activations"],
+        f"{acts['per_layer'] / GiB:.2f} per layer + {acts['outside_layers'] / GiB:.2f} logits/loss; "
+        f"{other / GiB:.2f} {'without' if plan['gradient_checkpointing'] else 'with'} checkpointing",
+    )
+    for name, item in rank["buffers"].items():
+        line(name, item)
+    line("CUDA context", rank["cuda_context"])
+    step = rank["optimizer_step"]
+    if step["gpu"] or step["cpu"]:
+        line("optimizer step (temporary)", step, "while activations are freed: counted as max(step, activations + buffers)")
+    total = plan["total"]
+    lines.append("-" * 54)
+    lines.append(f"{'peak':<34}{_gib(total['gpu'])}  {_gib(total['cpu'])}")
+    device = plan["device"]
+    spare = device["usable"] - total["gpu"]
+    verdict = f"fits, {spare / GiB:.1f} GiB to spare" if plan["fits"] else f"does NOT fit, {-spare / GiB:.1f} GiB short"
+    lines.append(
+        f"{device['name']}: {device['memory'] / GiB:.1f} GiB, {device['usable'] / GiB:.1f} usable with "
+        f"{device['headroom']:.0%} headroom -> {verdict}"
+    )
+    other = plan["total_other_checkpointing"]
+    if not plan["fits"] and other["gpu"] < total["gpu"]:
+        fits = "fits" if other["gpu"] <= device["usable"] else "still does not fit"
+        flag = str(other["gradient_checkpointing"]).lower()
+        lines.append(f"with --train.gradient_checkpointing {flag}: {other['gpu'] / GiB:.2f} GiB, {fits}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- measuring a real step, to check the estimate
+

@@ -1,0 +1,225 @@
+"""Activation memory from one training step traced on fake tensors (shapes and dtypes, no data).
+
+Not a formula: a one- and a two-block copy of the model runs the job's own module
+(its loss included) while every storage an op creates is followed until it is
+freed; the difference between the two is one block's share. So attention kernels,
+LoRA dropout, autocast copies and the fp32 loss are whatever this model and this
+torch really do.
+"""
+
+import copy
+import gc
+import itertools
+import warnings
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+import transformers.masking_utils as masking
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from litft.build import build_model
+from litft.config import TrainArgs
+from litft.model import CausalLM
+
+
+class _Ledger(TorchDispatchMode):
+    """Hands every op's outputs to its ``LiveStorages``."""
+
+    def __init__(self, storages: "LiveStorages"):
+        super().__init__()
+        self.storages = storages
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.storages.add(t.untyped_storage(), inputs)
+        return out
+
+
+class LiveStorages:
+    """A dispatch mode that follows every storage an op creates until it is freed (a ledger of +/- bytes)."""
+
+    def __init__(self, known: List[torch.Tensor]):
+        self.known = {t.untyped_storage()._cdata for t in known}
+        self.live: Dict[int, Tuple[int, int]] = {}
+        self.events: List[Tuple[int, int]] = []
+        self.tokens = itertools.count()
+        self.marks: Dict[str, int] = {}
+
+    def mode(self) -> TorchDispatchMode:
+        return _Ledger(self)
+
+    def add(self, storage, inputs) -> None:
+        key = storage._cdata
+        if key in self.live or key in self.known or key in inputs:  # a view, or written in place
+            return
+        token = next(self.tokens)
+        self.live[key] = (token, storage.nbytes())
+        self.events.append((token, storage.nbytes()))
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        token, size = self.live.pop(key)
+        self.events.append((token, -size))
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = len(self.events)
+
+    def replay(self, leave_out: set) -> Tuple[int, Dict[str, int]]:
+        """Peak of the live bytes, and the live bytes at each mark, without the storages in ``leave_out``."""
+        live = peak = 0
+        at = {}
+        for i, (token, size) in enumerate(self.events + [(None, 0)]):
+            for name, position in self.marks.items():
+                if position == i:
+                    at[name] = live
+            if token in leave_out:
+                continue
+            live += size
+            peak = max(peak, live)
+        return peak, at
+
+
+class _Dequantized4bit(torch.nn.Linear):
+    """Stands in for bnb's Linear4bit on fake tensors: the same dtype casts, a frozen compute-dtype weight.
+
+    bitsandbytes saves only the packed weight for backward and dequantizes again
+    there, so like ``F.linear`` on a frozen weight it adds no saved activation.
+    """
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x.to(self.compute_dtype), self.weight, self.bias).to(x.dtype)
+
+
+def _fake_model(model, fake_mode, dtype_for):
+    """Swap the meta parameters and buffers of ``model`` for fake CPU tensors (shapes and dtypes, no memory)."""
+    swapped: Dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return FakeTensor(fake_mode, torch.empty(t.shape, dtype=dtype, device="meta"), torch.device("cpu"))
+
+    for module in model.modules():
+        if type(module._parameters.get("weight")).__name__ == "Params4bit":  # bnb's Linear4bit (not peft's wrapper of it)
+            module.__class__ = _Dequantized4bit
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in swapped:
+                    quantized = type(p).__name__ == "Params4bit"
+                    dtype = module.compute_dtype if quantized else dtype_for(p)
+                    swapped[id(p)] = torch.nn.Parameter(fake(p, dtype), requires_grad=p.requires_grad)
+                module._parameters[name] = swapped[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = fake(b, b.dtype)
+    return model
+
+
+def _with_layers(config, layers: int):
+    """A copy of ``config`` with ``layers`` transformer blocks (per-layer lists cut to match)."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    for key in ("layer_types", "mlp_only_layers"):
+        value = getattr(config, key, None)
+        if isinstance(value, list) and len(value) > layers:
+            setattr(config, key, value[:layers])
+    return config
+
+
+@contextmanager
+def _masks_as_in_real_steps():
+    """transformers takes fake tensors for graph tracing: it then builds an explicit (b, 1, s, s)
+    causal mask and repeats k/v for GQA, where a real step of unpacked rows passes ``is_causal``
+    to SDPA and builds neither. For the trace, only real tracing counts as tracing, and rows
+    are not packed (whether they are is read from the position ids' values, which fakes lack)."""
+    patches = {}
+    if hasattr(masking, "is_tracing"):
+        original = masking.is_tracing
+        patches["is_tracing"] = lambda tensor=None: original(None)
+    if hasattr(masking, "find_packed_sequence_indices"):
+        patches["find_packed_sequence_indices"] = lambda position_ids: None
+    saved = {name: getattr(masking, name) for name in patches}
+    for name, value in patches.items():
+        setattr(masking, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(masking, name, value)
+
+
+@dataclass
+class Trace:
+    """Live bytes of one training step, without parameters and gradients."""
+
+    peak: int  # the most at any moment of forward + backward
+    saved: int  # what the forward leaves for the backward (the loss computed)
+
+
+def trace_step(config, layers: int, build: dict, params_dtype, autocast, micro_batch_size: int, seq_len: int) -> Trace:
+    """One forward and backward of the job's module (``model.CausalLM``, its loss included) on fake tensors."""
+    model = build_model(_with_layers(config, layers), **build)
+    with warnings.catch_warnings():
+        # torch.utils.checkpoint's advice about use_reentrant, given where peft enables checkpointing for QLoRA.
+        warnings.simplefilter("ignore")
+        return _trace(model, params_dtype, autocast, micro_batch_size, seq_len)
+
+
+def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int) -> Trace:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _fake_model(model, fake_mode, params_dtype)
+    lm = CausalLM(model, TrainArgs())
+    lm.train()
+    tensors = list(lm.parameters()) + list(lm.buffers())
+    gc.collect()
+    ledger = LiveStorages(tensors)
+    with fake_mode:
+        tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+        # Rows of one sequence each (position ids 0..n-1, as unpacked data has them; transformers then makes them itself).
+        batch = {"input_ids": tokens, "labels": tokens, "position_ids": None}
+        cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
+        # The loop's shape: forward and backward inside one autocast region, which caches weight casts for both.
+        with _masks_as_in_real_steps(), ledger.mode(), cast:
+            loss = lm.training_step(batch)
+            ledger.mark("forward")
+            loss.backward()
+            del loss
+    # Gradients are counted on their own row; the storages that became .grad leave the replay.
+    grads = [p.grad.untyped_storage()._cdata for p in lm.parameters() if p.grad is not None]
+    peak, at = ledger.replay({ledger.live[key][0] for key in grads if key in ledger.live})
+    return Trace(peak=peak, saved=at["forward"])
+
+
+@dataclass
+class Activations:
+    peak: int
+    saved: int
+    per_layer: int  # peak's growth per transformer block
+    outside_layers: int  # embeddings, logits and the fp32 loss: the peak with no block
+
+
+def trace_activations(config, build: dict, params_dtype, autocast, micro_batch_size: int, seq_len: int) -> Activations:
+    """Traces with 1 and 2 blocks; their difference is one block's share, repeated to the model's depth.
+
+    The first block is traced as it is (its input, from a frozen embedding, may need no
+    gradient), and every later one is like the second.
+    """
+    depth = config.num_hidden_layers
+    one = trace_step(config, 1, build, params_dtype, autocast, micro_batch_size, seq_len)
+    if depth == 1:
+        return Activations(one.peak, one.saved, one.peak, 0)
+    two = trace_step(config, 2, build, params_dtype, autocast, micro_batch_size, seq_len)
+    per_layer, per_layer_saved = two.peak - one.peak, two.saved - one.saved
+    return Activations(
+        peak=two.peak + (depth - 2) * per_layer,
+        saved=two.saved + (depth - 2) * per_layer_saved,
+        per_layer=per_layer,
+        outside_layers=one.peak - per_layer,
+    )

@@ -1,0 +1,103 @@
+"""Every command-line flag, declared once; each command's flat signature is assembled from them.
+
+jsonargparse reads a function's signature and the ``Args:`` section of its
+docstring to make the command's flags, their ``--help`` text and the YAML schema
+of ``--config``. The jobs and ``litft estimate`` share most flags, so they are
+declared here once and each command lists the ones it takes, in order, with its
+own default or wording where it differs (LitGPT's flat flags, without its copies).
+"""
+
+import functools
+import inspect
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, List, Literal, Optional, Union
+
+from litft.config import Accelerator, DeepSpeedArgs, EvalArgs, FSDPArgs, Precision, Quantize, StrategyName, TrainArgs
+from litft.data.base import DataModule
+from litft.tiny import TINY_NAME
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One parameter of a command: name, type, default and its one line of help."""
+
+    name: str
+    annotation: Any
+    default: Any
+    help: str
+
+    def but(self, **changes) -> "Flag":
+        """The same flag with another default or help text, for one command."""
+        return replace(self, **changes)
+
+
+def command(flags: List[Flag]) -> Callable:
+    """Give a ``**flags`` function the flat signature that ``flags`` describe, and their help under its docstring.
+
+    Python callers get the same signature: positional and keyword arguments are
+    bound to it and the defaults filled in before the function runs.
+    """
+    parameters = [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=f.default, annotation=f.annotation) for f in flags]
+
+    def decorate(function: Callable) -> Callable:
+        doc = function.__doc__.strip() + "\n\n    Args:\n" + "\n".join(f"        {f.name}: {f.help}" for f in flags) + "\n"
+        signature = inspect.Signature(parameters, return_annotation=inspect.signature(function).return_annotation)
+
+        @functools.wraps(function)
+        def bound(*args, **kwargs):
+            arguments = signature.bind(*args, **kwargs)
+            arguments.apply_defaults()
+            return function(**arguments.arguments)
+
+        bound.__signature__ = signature
+        bound.__doc__ = doc
+        return bound
+
+    return decorate
+
+
+_NO_DEFAULT = inspect.Parameter.empty
+
+MODEL = Flag("model", str, TINY_NAME, "Hugging Face hub id or local model folder (litft-tiny is built locally).")
+DATA = Flag("data", Optional[DataModule], None, "Training data (default: TinyTasks, generated here).")
+OUT_DIR = Flag("out_dir", Path, None, "Folder for logs, the run's config and the final model.")
+PRECISION = Flag(
+    "precision", Optional[Precision], None,
+    "32-true, bf16-mixed, bf16-true or 16-mixed (default: bf16-mixed on GPUs that have it, else 32-true).",
+)
+DEVICES = Flag("devices", int, 1, "Processes (GPUs) per node.")
+NUM_NODES = Flag("num_nodes", int, 1, "Nodes taking part.")
+STRATEGY = Flag("strategy", StrategyName, "auto", "auto (one device, or DDP for several), ddp, fsdp (FSDP2, sharded per block) or deepspeed (ZeRO).")
+FSDP = Flag("fsdp", FSDPArgs, FSDPArgs(), "Sharding options for --strategy fsdp.")
+DEEPSPEED = Flag("deepspeed", DeepSpeedArgs, DeepSpeedArgs(), "ZeRO stage, offload and config file for --strategy deepspeed.")
+ACCELERATOR = Flag("accelerator", Accelerator, "auto", "auto, cpu or cuda.")
+QUANTIZE = Flag("quantize", Optional[Quantize], None, "Load the frozen base in 4 bits with bitsandbytes (QLoRA); -dq also quantizes the scales.")
+LORA_R = Flag("lora_r", int, 8, "Rank of the adapters.")
+LORA_ALPHA = Flag("lora_alpha", int, 16, "Adapter scale numerator (the update is scaled by alpha / r).")
+LORA_DROPOUT = Flag("lora_dropout", float, 0.05, "Dropout on the adapters' input.")
+LORA_TARGETS = Flag(
+    "lora_target_modules", Union[str, List[str]], "all-linear",
+    'Module names to adapt, or "all-linear" for every linear layer but the output head.',
+)
+TRAIN = Flag("train", TrainArgs, TrainArgs(), "Batch, schedule and run length.")
+EVAL = Flag("eval", EvalArgs, EvalArgs(), "Validation cadence and scoring.")
+SEED = Flag("seed", int, 42, "Seeds the weights of new layers, the data order and dropout.")
+OVERWRITE = Flag(
+    "overwrite", bool, False, "Replace the final model, logs and checkpoints of an earlier litft run in out_dir (nothing else there is touched)."
+)
+RESUME = Flag(
+    "resume", Optional[str], None,
+    'Continue from a checkpoint: "auto" takes the newest finished one in out_dir (or starts afresh if there is none), or a checkpoint folder\'s path.',
+)
+
+# Where the processes run and how they split the model: every job and litft estimate.
+PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, ACCELERATOR]
+LORA = [QUANTIZE, LORA_R, LORA_ALPHA, LORA_DROPOUT, LORA_TARGETS]
+RUN_CONTROL = [SEED, OVERWRITE, RESUME]
+JOB = Literal["finetune_lora", "finetune_full", "pretrain"]
+
+
+def required(flag: Flag, help: str) -> Flag:
+    """A flag without a default (a positional argument on the command line)."""
+    return flag.but(default=_NO_DEFAULT, help=help)

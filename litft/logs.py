@@ -1,0 +1,68 @@
+"""Where a run's metrics go (CSV and TensorBoard under out_dir/logs), and the library noise kept off its screen."""
+
+import csv
+import os
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+import transformers
+from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+
+
+class ContinuingCSVLogger(CSVLogger):
+    """Lightning's CSV logger, except that a resumed run continues the earlier run's metrics.csv.
+
+    Lightning deletes an existing file; here its rows up to the resumed step are kept
+    (later ones were logged by the run that died after its last checkpoint).
+    """
+
+    resumed_step: Optional[int] = None
+
+    @property
+    def experiment(self):
+        if self._experiment is not None:
+            return self._experiment
+        previous = Path(self.log_dir) / "metrics.csv"
+        rows, keys = [], []
+        if self.resumed_step is not None and previous.is_file():
+            with open(previous, newline="") as f:
+                reader = csv.DictReader(f)
+                keys = list(reader.fieldnames or [])
+                rows = [r for r in reader if r.get("step") and int(float(r["step"])) <= self.resumed_step]
+        writer = super().experiment
+        if rows and hasattr(writer, "metrics_keys"):
+            with open(previous, "w", newline="") as f:
+                out = csv.DictWriter(f, fieldnames=keys)
+                out.writeheader()
+                out.writerows(rows)
+            writer.metrics_keys = keys
+        return writer
+
+
+def make_loggers(out_dir: Optional[Path]) -> List:
+    """CSV (which litft's own tools read) and TensorBoard, under out_dir/logs."""
+    if out_dir is None:
+        return []
+    return [
+        ContinuingCSVLogger(root_dir=str(out_dir), name="logs", version="csv", flush_logs_every_n_steps=1),
+        TensorBoardLogger(root_dir=str(out_dir), name="logs", version="tensorboard"),
+    ]
+
+
+def continue_logs(fabric, step: int) -> None:
+    """Tell the CSV logger that this run resumes after ``step`` (before anything is logged)."""
+    for logger in fabric.loggers:
+        if isinstance(logger, ContinuingCSVLogger):
+            logger.resumed_step = step
+
+
+def quiet_libraries() -> None:
+    """Silence progress bars and known advice that libraries print on every rank, when a run starts."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    # Lightning's CSV logger says this whenever logs/ has files; ContinuingCSVLogger keeps them on purpose.
+    warnings.filterwarnings("ignore", message=".*Experiment logs directory .* exists and is not empty.*")
+    # DCP says this on every single-process save and load.
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")

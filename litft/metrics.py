@@ -1,0 +1,197 @@
+"""What the loop measures and when it acts: throughput, memory, MFU, the progress line, cadences and stop requests.
+
+Each piece is a small object of its own, so the loop stays a dozen lines and each
+policy is tested without processes.
+"""
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from tqdm import tqdm
+
+from litft.config import EvalArgs, TrainArgs
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the process's peak resident memory on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is in KiB on Linux
+
+
+def peak_memory_by_rank(fabric) -> Dict[str, float]:
+    """Every rank's peak memory (GB) so far, and the fullest rank: the rank that runs out is rarely rank 0."""
+    local = torch.tensor([peak_memory_gb(fabric.device)], dtype=torch.float64, device=fabric.device)
+    peaks = fabric.all_gather(local).flatten().tolist() if fabric.world_size > 1 else [local.item()]
+    fullest = max(range(len(peaks)), key=peaks.__getitem__)
+    metrics = {"peak_memory_gb": peaks[fullest], "peak_memory_rank": fullest}
+    if len(peaks) > 1:
+        metrics.update({f"peak_memory_gb/rank_{r}": gb for r, gb in enumerate(peaks)})
+    return metrics
+
+
+@dataclass
+class Cadence:
+    """When the loop validates and saves, and when the run has trained enough."""
+
+    total_steps: int
+    eval: EvalArgs
+    save_interval: Optional[int]
+    max_tokens: Optional[int] = None
+
+    def more(self, step: int, tokens: int) -> bool:
+        return step < self.total_steps and (self.max_tokens is None or tokens < self.max_tokens)
+
+    def validate_first(self, step: int) -> bool:
+        return self.eval.initial_validation and step == 0
+
+    def validate_now(self, step: int) -> bool:
+        return bool(self.eval.interval) and step % self.eval.interval == 0 and step < self.total_steps
+
+    def save_now(self, step: int) -> bool:
+        """Periodic saves; the last step is saved by the end of the loop, whatever the interval."""
+        return bool(self.save_interval) and step % self.save_interval == 0 and step < self.total_steps
+
+
+class StopRequests:
+    """Why this rank wants the run to end after the current step, if it does.
+
+    A stop signal (noted by ``cluster.StopSignals``) or ``--train.stop_after_steps``
+    steps trained in this launch; the loop shares the answer with every rank.
+    """
+
+    def __init__(self, signals=None, stop_after_steps: Optional[int] = None, start_step: int = 0):
+        self.signals, self.stop_after_steps, self.start_step = signals, stop_after_steps, start_step
+
+    def reason(self, step: int) -> Optional[str]:
+        if self.signals is not None and self.signals.received is not None:
+            return self.signals.received
+        if self.stop_after_steps is not None and step - self.start_step >= self.stop_after_steps:
+            return f"--train.stop_after_steps {self.stop_after_steps}"
+        return None
+
+
+class SampleLog:
+    """This rank's sample ids per step, in a JSONL file (``--train.record_sample_ids``), to audit data order."""
+
+    def __init__(self, path: Optional[Path]):
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, step: int, epoch: int, indices: List[List[int]]) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, "epoch": epoch, "ids": [i for idx in indices for i in idx]}) + "\n")
+
+
+@dataclass
+class Throughput:
+    """Tokens, samples and model FLOPs since the last log step, and the rates they make."""
+
+    started: float = field(default_factory=time.perf_counter)
+    tokens: int = 0
+    samples: int = 0
+    flops: float = 0.0
+
+    def add(self, tokens: int, samples: int, flops: float) -> None:
+        self.tokens += tokens
+        self.samples += samples
+        self.flops += flops
+
+    def rates(self, world_size: int, peak: Optional[float]) -> Dict[str, float]:
+        elapsed = time.perf_counter() - self.started
+        rates = {
+            "tokens_per_s": self.tokens / elapsed,
+            "tokens_per_s_per_device": self.tokens / elapsed / world_size,
+            "samples_per_s": self.samples / elapsed,
+        }
+        if self.flops:
+            rates["tflops_per_s_per_device"] = self.flops / elapsed / world_size / 1e12
+            if peak:
+                rates["mfu"] = self.flops / elapsed / world_size / peak
+        return rates
+
+
+class Progress:
+    """Rank 0's view of the run: a live bar on a terminal, one line per log step otherwise."""
+
+    def __init__(self, enabled: bool, total: int, start: int):
+        self.enabled = enabled
+        self.total = total
+        self.started, self.start = time.perf_counter(), start
+        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) if enabled and sys.stderr.isatty() else None
+
+    def update(self, step: int, metrics: Dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        text = f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:,.0f} tok/s"
+        if "mfu" in metrics:
+            text += f" | MFU {metrics['mfu']:.1%}"
+        elif "tflops_per_s_per_device" in metrics:
+            text += f" | {metrics['tflops_per_s_per_device']:.2f} TFLOP/s/device"
+        rank = f" (rank {metrics['peak_memory_rank']})" if any(k.startswith("peak_memory_gb/") for k in metrics) else ""
+        text += f" | peak mem {metrics['peak_memory_gb']:.2f} GB{rank}"
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(step - self.bar.n)
+        else:
+            per_step = (time.perf_counter() - self.started) / max(step - self.start, 1)
+            eta = time.strftime("%H:%M:%S", time.gmtime(per_step * (self.total - step)))
+            print(f"step {step}/{self.total} | {text} | lr {metrics['lr']:.2e} | eta {eta}", file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class StepMeter:
+    """What every step logs (loss, lr, grad norm), what log steps add (rates, MFU, memory), and state bytes once."""
+
+    def __init__(self, fabric, strategy, train: TrainArgs, flops, total_steps: int, start_step: int):
+        self.fabric, self.strategy, self.train, self.flops = fabric, strategy, train, flops
+        self.total_steps, self.start_step = total_steps, start_step
+        self.window = Throughput()
+        self.progress = Progress(fabric.is_global_zero, total_steps, start_step)
+        self.grad_bytes = 0
+
+    def before_optimizer_step(self, step: int, lm, optimizer) -> None:
+        if step == self.start_step:  # gradients as the step sees them; zero_grad frees them
+            self.grad_bytes = self.strategy.state_bytes(lm, optimizer)["grads"]
+
+    def after_step(self, state, loss: float, lr: float, grad_norm: Optional[float], tokens: int, samples: int, flops: float, lm, optimizer) -> dict:
+        metrics = {"loss": loss, "lr": lr, "epoch": state.epoch, "tokens": state.tokens}
+        if state.step == self.start_step + 1:
+            metrics.update(self._state_bytes(lm, optimizer))
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        self.window.add(tokens, samples, flops)
+        if state.step % self.train.log_interval == 0 or state.step == self.total_steps:
+            metrics.update(self.window.rates(self.fabric.world_size, self.flops.peak if self.flops else None))
+            metrics.update(peak_memory_by_rank(self.fabric))
+            self.fabric.log_dict(metrics, step=state.step)
+            self.progress.update(state.step, metrics)
+            self.window = Throughput()
+        return metrics
+
+    def _state_bytes(self, lm, optimizer) -> Dict[str, int]:
+        """What sharding saves: parameters, gradients and optimizer states on the fullest rank; they do not change."""
+        held = self.strategy.state_bytes(lm, optimizer)
+        most = torch.tensor([held["params"], self.grad_bytes, held["optimizer"]], dtype=torch.float64, device=self.fabric.device)
+        if self.fabric.world_size > 1:  # the rank that holds the most is the one that runs out of memory
+            most = self.fabric.all_reduce(most, reduce_op="max")
+        return dict(zip(("params_bytes", "grads_bytes", "optimizer_bytes"), (int(v) for v in most.tolist())))

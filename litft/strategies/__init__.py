@@ -1,0 +1,39 @@
+"""Parallelism in one place: each strategy is one module behind ``TrainingStrategy``; a new strategy is one new module."""
+
+from typing import Type
+
+from litft.config import Layout
+from litft.errors import LitftError
+from litft.strategies.base import TrainingStrategy
+from litft.strategies.ddp import DDP, SingleDevice
+from litft.strategies.deepspeed import DeepSpeed
+from litft.strategies.fsdp import FSDP
+
+BY_NAME = {"ddp": DDP, "fsdp": FSDP, "deepspeed": DeepSpeed}
+
+
+def strategy_class(layout: Layout) -> Type[TrainingStrategy]:
+    """The strategy a layout asks for: ``auto`` is one device, or DDP for several."""
+    if layout.strategy == "auto":
+        return SingleDevice if layout.world_size == 1 else DDP
+    return BY_NAME[layout.strategy]
+
+
+def checked_strategy_class(layout: Layout, accelerator: str, precision: str) -> Type[TrainingStrategy]:
+    """The layout checked, generic part and the chosen strategy's own, in one place for the jobs and ``litft estimate``."""
+    layout.check()
+    chosen = strategy_class(layout)
+    for other in BY_NAME.values():
+        group = other.options
+        if other is not chosen and group is not None and layout.options(group) != type(layout.options(group))():
+            raise LitftError(f"--{group}.* options only apply to --strategy {group} (this run uses --strategy {layout.strategy})")
+    chosen.check(layout, accelerator, precision)
+    return chosen
+
+
+def writer_of(meta) -> Type[TrainingStrategy]:
+    """The strategy whose format a checkpoint is in, to read its trained tensors."""
+    return DeepSpeed if meta.format == DeepSpeed.checkpoint_format else SingleDevice
+
+
+__all__ = ["TrainingStrategy", "SingleDevice", "DDP", "FSDP", "DeepSpeed", "strategy_class", "checked_strategy_class", "writer_of"]

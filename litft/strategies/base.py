@@ -1,0 +1,167 @@
+"""What every strategy does for a run, and the parts that one process, DDP and FSDP share.
+
+A strategy is chosen once from the layout (``litft.strategies.strategy_for``). From
+then on the trainer, the checkpointer, ``litft convert`` and ``litft estimate`` ask
+it, never which strategy it is: it checks the layout, makes the Fabric strategy,
+wraps and fills the model, steps the optimizer, counts what a rank holds, saves
+and loads the training state, and describes its per-rank memory to the estimate.
+"""
+
+from pathlib import Path
+from typing import Callable, ClassVar, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from litft.checkpoint.format import TrainedTensors, dcp_trained_tensors, safe_reader
+from litft.config import Layout, TrainArgs
+from litft.device import compute_dtype
+from litft.errors import LitftError
+from litft.memory import Param, States
+
+Fill = Callable[[torch.nn.Module], None]  # gives real values to the meta tensors of a part of the model
+
+
+def local_bytes(tensor) -> int:
+    """Bytes of ``tensor`` on this rank: a DTensor's shard, a ZeRO-3 parameter's partition."""
+    if tensor is None:
+        return 0
+    if hasattr(tensor, "ds_tensor"):
+        tensor = tensor.ds_tensor
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size()
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    return sum(local_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+def _model_and_optimizer_state(lm, optimizer):
+    inner = getattr(optimizer, "optimizer", optimizer)  # under Fabric's wrapper
+    model_state, optimizer_state = get_state_dict(lm.model, inner, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": model_state, "optimizer": optimizer_state}, inner
+
+
+class TrainingStrategy:
+    """The interface, with what one process and DDP do; FSDP and DeepSpeed override what differs."""
+
+    name: ClassVar[str]
+    options: ClassVar[Optional[str]] = None  # the flag group only this strategy reads (--fsdp.*, --deepspeed.*)
+    checkpoint_format: ClassVar[str] = "dcp"
+
+    def __init__(self, layout: Layout, accelerator: str, precision: str, train: TrainArgs):
+        self.layout, self.accelerator, self.precision, self.train = layout, accelerator, precision, train
+        self.backend = "nccl" if accelerator == "cuda" else "gloo"  # gloo is the only backend that works on the CPU
+        self.fabric = None
+
+    # ------------------------------------------------------------ before any process starts
+
+    @classmethod
+    def check(cls, layout: Layout, accelerator: str, precision: str) -> None:
+        """Refuse a layout this strategy cannot run, in one line."""
+
+    @classmethod
+    def facts(cls, layout: Layout, precision: str) -> dict:
+        """How ``litft estimate`` names this layout: the strategy, and its shard group or ZeRO stage where it has one."""
+        return {"strategy": cls.name, "shard_group": None, "zero_stage": None}
+
+    def fabric_strategy(self):
+        """What ``lightning.Fabric(strategy=...)`` takes."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ training
+
+    def setup(self, fabric, lm, fill: Fill, on_device: bool):
+        """Fill the model, wrap it, and make its optimizer and LR scheduler: ``(module, optimizer, scheduler)``.
+
+        ``on_device``: the model was loaded onto its device already (a 4-bit base).
+        """
+        self.fabric = fabric
+        fill(lm)
+        module = fabric.setup_module(lm, move_to_device=not on_device)
+        made = lm.configure_optimizers()
+        return module, fabric.setup_optimizers(made["optimizer"]), made["lr_scheduler"]
+
+    def optimizer_step(self, module, optimizer, max_norm: Optional[float]) -> Optional[float]:
+        """Clip, step, zero the gradients; the global gradient norm before clipping (None when not computed)."""
+        norm = self.fabric.clip_gradients(module, optimizer, max_norm=max_norm) if max_norm else None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if norm is None:
+            return None
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def state_bytes(self, lm, optimizer) -> Dict[str, int]:
+        """Bytes of parameters, gradients and optimizer states this rank holds (measure before zero_grad)."""
+        params = list(lm.parameters())
+        return {
+            "params": sum(local_bytes(p) for p in params),
+            "grads": sum(local_bytes(p.grad) for p in params),
+            "optimizer": optimizer_state_bytes(optimizer),
+        }
+
+    def numel(self, param) -> int:
+        """Elements of the whole parameter, however it is split across ranks."""
+        return param.numel()
+
+    def trained_shapes(self, lm) -> Dict[str, List[int]]:
+        """Whole shapes of the trained tensors, by name: what a checkpoint must match to be resumed."""
+        return {name: list(p.shape) for name, p in lm.model.named_parameters() if p.requires_grad}
+
+    def replicas_in_step(self, lm) -> Optional[float]:
+        """Largest parameter difference between replica groups that should be equal; None without such groups."""
+        return None
+
+    # ------------------------------------------------------------ checkpoints
+
+    def checkpoint_fields(self) -> dict:
+        """What the checkpoint's meta records about how it was written."""
+        return {"format": self.checkpoint_format, "strategy": self.layout.strategy, "zero_stage": None}
+
+    def check_resume(self, path: Path, stored, world_size: int) -> None:
+        """One line when this run cannot read the training state of ``path`` (its ``CheckpointMeta``); other formats are refused before."""
+
+    def save(self, folder: Path, lm, optimizer) -> None:
+        """This rank's part of the training state (trained tensors and optimizer states), under ``folder``.
+
+        DCP stores every tensor by name and global shape, so what one process, DDP or
+        FSDP wrote reads back on any number of ranks and any sharding.
+        """
+        state_dict, _ = _model_and_optimizer_state(lm, optimizer)
+        dcp.save(state_dict, checkpoint_id=str(folder / "model"))
+
+    def load(self, folder: Path, lm, optimizer) -> None:
+        state_dict, inner = _model_and_optimizer_state(lm, optimizer)
+        try:
+            dcp.load(state_dict, storage_reader=safe_reader(folder / "model"))
+        except LitftError:
+            raise
+        except Exception as err:  # noqa: BLE001 - DCP's messages run to many lines
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise LitftError(f"checkpoint {folder} could not be read ({first[:300]}); resume from another checkpoint") from None
+        set_state_dict(
+            lm.model, inner, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optimizer"],
+            # Frozen weights are not in the checkpoint (they come from the model); dcp.load
+            # above already failed on any trained tensor that was missing.
+            options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        )
+
+    @classmethod
+    def read_trained(cls, checkpoint: Path, meta) -> TrainedTensors:
+        """The trained tensors of a checkpoint this strategy wrote, by name, for ``litft convert``."""
+        return dcp_trained_tensors(checkpoint)
+
+    # ------------------------------------------------------------ for litft estimate
+
+    @classmethod
+    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs) -> States:
+        """Parameters, gradients, optimizer states and buffers of the fullest rank, as ``state_bytes`` measures them."""
+        raise NotImplementedError
+
+    @classmethod
+    def compute_view(cls, layout: Layout, precision: str) -> Tuple[Callable, Optional[torch.dtype]]:
+        """The dtype each parameter has during the forward, and autocast's dtype (None: no autocast)."""
+        autocast = compute_dtype(precision) if precision.endswith("-mixed") else None
+        return (lambda p: p.dtype), autocast

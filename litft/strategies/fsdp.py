@@ -1,0 +1,197 @@
+"""FSDP2 (``fully_shard``): one shard unit per transformer block, then the root, on a (replicate, shard) mesh.
+
+Lightning's own FSDPStrategy wraps FSDP1, which needs a GPU; FSDP2 runs on the CPU
+with gloo too, so every sharding strategy is tested in CI.
+"""
+
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from litft.config import Layout, TrainArgs
+from litft.device import compute_dtype, element_size
+from litft.errors import LitftError
+from litft.memory import Param, Row, States
+from litft.strategies.base import Fill, TrainingStrategy
+from litft.weights import transformer_blocks
+
+
+def mesh_shape(layout: Layout) -> Tuple[int, int]:
+    """(replicas, shard group size) of the FSDP2 device mesh."""
+    kind = layout.fsdp.sharding_strategy
+    if kind in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return 1, layout.world_size
+    if kind == "NO_SHARD":
+        return layout.world_size, 1
+    shard = layout.fsdp.shard_size or layout.devices
+    return layout.world_size // shard, shard
+
+
+def shard_units(hf_model) -> List[torch.nn.Module]:
+    """The modules sharded on their own, in order: every block, then untied embeddings and output head."""
+    units = transformer_blocks(hf_model)
+    embeddings, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
+    if head is not None and head.weight is not embeddings.weight:
+        # Untied vocabulary matrices are the largest pieces; as units of their own they are never full at the same time.
+        units += [embeddings, head]
+    return units
+
+
+class FSDP2FabricStrategy(ModelParallelStrategy):
+    """Fabric's model-parallel strategy with litft's (replicate, shard) mesh and per-unit fill-then-shard."""
+
+    def __init__(self, layout: Layout, precision: str, backend: str):
+        super().__init__(parallelize_fn=self._shard, process_group_backend=backend)
+        self.layout = layout
+        self.mixed = precision.endswith("-mixed")
+        self.compute_dtype = compute_dtype(precision)
+        self.fill: Fill = lambda part: None
+
+    def setup_environment(self) -> None:
+        # Skips ModelParallelStrategy's (data, tensor) mesh; ours is (replicate, shard).
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        replicas, shard = mesh_shape(self.layout)
+        if self.global_rank == 0 and self.layout.fsdp.sharding_strategy == "HYBRID_SHARD" and replicas == 1:
+            print(f"HYBRID_SHARD with one shard group of {shard} ranks: sharding as FULL_SHARD", flush=True)
+        self._device_mesh = init_device_mesh(self.root_device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
+
+    def _shard(self, module, mesh):
+        # FSDP2 shards over a 1-D mesh and does HSDP (replicate x shard) over a 2-D one.
+        options = {
+            "mesh": mesh["shard"] if mesh.shape[0] == 1 else mesh,
+            "reshard_after_forward": self.layout.fsdp.sharding_strategy != "SHARD_GRAD_OP",
+        }
+        if self.mixed:
+            # Low-precision compute, full-precision gradient reduction and sharded master weights.
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        if self.layout.fsdp.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        # 4-bit base weights (QLoRA) are frozen and packed with their quantization state;
+        # they stay whole on every rank, everything else (adapters, norms, embeddings) is sharded.
+        options["ignored_params"] = {p for p in module.parameters() if type(p).__name__ == "Params4bit"} or None
+        for unit in shard_units(module.hf_model):
+            self.fill(unit)  # one full unit at a time, sharded right away
+            fully_shard(unit, **options)
+        self.fill(module)
+        fully_shard(module.hf_model, **options)
+        return module
+
+
+class FSDP(TrainingStrategy):
+    """Parameters, gradients and optimizer states sharded inside a shard group; replicated across groups (HSDP)."""
+
+    name = "FSDP"
+    options = "fsdp"
+
+    @classmethod
+    def check(cls, layout: Layout, accelerator: str, precision: str) -> None:
+        fsdp = layout.fsdp
+        if precision == "16-mixed":
+            raise LitftError("--strategy fsdp trains in 32-true, bf16-mixed or bf16-true; fp16 needs loss scaling that FSDP2 lacks")
+        if fsdp.shard_size is not None and fsdp.sharding_strategy != "HYBRID_SHARD":
+            raise LitftError(f"--fsdp.shard_size only applies to HYBRID_SHARD (this run uses {fsdp.sharding_strategy})")
+        if fsdp.sharding_strategy == "HYBRID_SHARD":
+            shard = fsdp.shard_size or layout.devices
+            if shard < 1 or layout.world_size % shard:
+                raise LitftError(
+                    f"HYBRID_SHARD needs the world size ({layout.devices} devices x {layout.num_nodes} nodes = {layout.world_size}) "
+                    f"to be a multiple of the shard group size ({shard}); change --fsdp.shard_size or the process count"
+                )
+        if fsdp.cpu_offload and accelerator != "cuda":
+            raise LitftError("--fsdp.cpu_offload moves GPU memory to the CPU; on --accelerator cpu there is nothing to offload, drop it")
+
+    @classmethod
+    def facts(cls, layout: Layout, precision: str) -> dict:
+        return {"strategy": f"FSDP {layout.fsdp.sharding_strategy}", "shard_group": mesh_shape(layout)[1], "zero_stage": None}
+
+    def fabric_strategy(self):
+        self._fabric_strategy = FSDP2FabricStrategy(self.layout, self.precision, self.backend)
+        return self._fabric_strategy
+
+    def setup(self, fabric, lm, fill: Fill, on_device: bool):
+        """FSDP replaces parameters with shards while it fills them, so the optimizer is made afterwards."""
+        self.fabric = fabric
+        self._fabric_strategy.fill = fill
+        module = fabric.setup_module(lm, move_to_device=not on_device)
+        made = lm.configure_optimizers()
+        return module, fabric.setup_optimizers(made["optimizer"]), made["lr_scheduler"]
+
+    def replicas_in_step(self, lm) -> Optional[float]:
+        mesh = self.fabric.strategy.device_mesh
+        if mesh.shape[0] == 1:
+            return None
+        group = mesh.get_group("replicate")
+        local = torch.cat([p.to_local().detach().reshape(-1).double() for p in lm.parameters()])
+        high, low = local.clone(), local.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        spread = (high - low).abs().max()
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        return float(spread)
+
+    @classmethod
+    def compute_view(cls, layout: Layout, precision: str) -> Tuple[Callable, Optional[torch.dtype]]:
+        if precision.endswith("-mixed"):
+            low = compute_dtype(precision)
+            return (lambda p: low), None  # MixedPrecisionPolicy gathers parameters in the compute dtype
+        return super().compute_view(layout, precision)
+
+    @classmethod
+    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs) -> States:
+        fsdp, shard = layout.fsdp, mesh_shape(layout)[1]
+        mixed = precision.endswith("-mixed")
+        low = element_size(compute_dtype(precision))
+        trained = [t for t in tensors if t.trainable]
+        local = {t.name: local_elements(t, shard) for t in tensors}
+        grads = sum(local[t.name] * t.itemsize for t in trained)
+        params = Row(sum(local[t.name] * t.itemsize + t.quant_state for t in tensors), note=f"shards of 1/{shard}" if shard > 1 else "")
+        optimizer = Row(2 * grads + 4 * len(trained), note="AdamW exp_avg + exp_avg_sq of the shards")
+        states = States(params=params, grads=Row(grads), optimizer=optimizer, step=Row(0, note="fused AdamW updates in place"))
+        if fsdp.cpu_offload:
+            states.params = params.moved_to_cpu("sharded, offloaded to CPU")
+            states.grads = states.grads.moved_to_cpu("sharded, offloaded to CPU")
+            states.optimizer = optimizer.moved_to_cpu("AdamW steps on the CPU")
+            states.step = states.step.moved_to_cpu("")
+        units, trained_units = _unit_sizes(tensors, low if mixed else None)
+        root = units.pop("root", 0)
+        if fsdp.sharding_strategy == "SHARD_GRAD_OP":
+            gathered, how = root + sum(units.values()), "every unit stays gathered from forward to backward"
+        else:
+            # Units run in order (embeddings, blocks, head); the one in use and the next, prefetched, are
+            # gathered together. The root is never resharded between forward and backward.
+            blocks = sorted((u for u in units if u.startswith("block.")), key=lambda u: int(u.split(".")[1]))
+            order = [units[u] for u in ("embeddings", *blocks, "head") if u in units]
+            pairs = [a + b for a, b in zip(order, order[1:])] or order
+            gathered, how = root + max(pairs, default=0), "root + the unit in use + the next, prefetched"
+        states.buffers.append(("FSDP all-gathered parameters", Row(gathered, note=how)))
+        reduce_bytes = 4 if mixed else low
+        biggest = max(trained_units.values(), default=0)
+        states.buffers.append(("FSDP reduce-scatter", Row(biggest * (low + reduce_bytes), note="one unit's unsharded gradients")))
+        return states
+
+
+def local_elements(t: Param, shard: int) -> int:
+    """Elements of ``t`` on rank 0 of its shard group: FSDP2 chunks dim 0 and rank 0 gets the first (largest) chunk."""
+    if shard == 1 or t.quantized:  # 4-bit weights are ignored by FSDP and stay whole
+        return t.numel
+    rows = t.shape[0] if t.shape else 1
+    return min(rows, math.ceil(rows / shard)) * (t.numel // max(rows, 1))
+
+
+def _unit_sizes(tensors: List[Param], gathered_itemsize: Optional[int]) -> Tuple[Dict[str, float], Dict[str, int]]:
+    """Bytes of every unit when gathered (in the compute dtype under mixed precision), and trained elements per unit."""
+    units: Dict[str, float] = {}
+    trained: Dict[str, int] = {}
+    for t in tensors:
+        if t.quantized:
+            continue
+        units[t.unit] = units.get(t.unit, 0) + t.numel * (gathered_itemsize or t.itemsize)
+        if t.trainable:
+            trained[t.unit] = trained.get(t.unit, 0) + t.numel
+    return units, trained

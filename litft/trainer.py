@@ -1,0 +1,205 @@
+"""One run's parts, made once, in the order a cluster needs them; ``run_job`` is the single path of every job.
+
+The order matters on a cluster: the launcher's world is checked before anything
+loads (a wrong world explains every later complaint), the flags before any file is
+touched, rank 0 tokenizes before the others read its cache, and the model is built
+on the meta device and filled as the strategy shards it.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import lightning as L
+import torch
+import yaml
+
+from litft.build import build_module
+from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
+from litft.checkpoint.convert import DTYPE_NAMES, export
+from litft.checkpoint.format import RUN_CONFIG
+from litft.cluster import PeerWatch, StopSignals, apply_launcher_env, join_torchrun_group, leave_process_group, preflight, restarted
+from litft.data.base import PreparedData, SampleOrder
+from litft.device import param_dtype, resolve_accelerator, resolve_precision
+from litft.errors import LitftError
+from litft.flops import StepFlops
+from litft.logs import continue_logs, make_loggers, quiet_libraries
+from litft.loop import LoopState, fit
+from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
+from litft.model import load_tokenizer, resolve_model
+from litft.ranks import on_rank_zero, rank_zero_first
+from litft.strategies import checked_strategy_class
+
+if TYPE_CHECKING:
+    from litft.jobs import RunSpec
+
+@dataclass
+class RunResult:
+    """What a finished job leaves: the trained module's HF model and the loop's record."""
+
+    model: torch.nn.Module
+    history: list
+    out_dir: Path
+    final_dir: Optional[Path]  # None when the run stopped early, before its export
+
+
+def plan_steps(train, num_samples: int, mean_tokens: float) -> int:
+    """Optimizer steps the run will take: the first of max_steps, epochs and max_tokens to end it."""
+    steps_per_epoch = num_samples // train.global_batch_size
+    limits = []
+    if train.max_steps is not None:
+        limits.append(train.max_steps)
+    if train.epochs is not None:
+        limits.append(train.epochs * steps_per_epoch)
+    if train.max_tokens is not None:
+        # Only an estimate for variable-length samples; the loop stops on the real count.
+        limits.append(math.ceil(train.max_tokens / (train.global_batch_size * mean_tokens)))
+    return max(1, min(limits)) if limits else max(1, steps_per_epoch)
+
+
+class Trainer:
+    """Owns a run's fabric, strategy, module, optimizer, scheduler, data, checkpointer and meter."""
+
+    def __init__(self, spec: "RunSpec", fabric, strategy, precision: str):
+        self.spec, self.fabric, self.strategy, self.precision = spec, fabric, strategy, precision
+        self.state = LoopState()
+        self.stops = StopRequests()
+        self.watch = PeerWatch.idle()
+
+    @classmethod
+    def launch(cls, spec: "RunSpec") -> "Trainer":
+        """Check the world and the flags, pick the strategy, and start (or join) the processes."""
+        quiet_libraries()
+        layout = spec.layout
+        layout.devices, layout.num_nodes = apply_launcher_env(layout.devices, layout.num_nodes)
+        preflight(layout.devices, layout.num_nodes)  # a wrong world explains every later complaint, so it goes first
+        spec.check()
+        if spec.resume is None and restarted():
+            spec.resume = "auto"  # a launcher brought the run back: continue from its newest checkpoint
+        accelerator = resolve_accelerator(spec.accelerator)
+        precision = resolve_precision(spec.precision, accelerator)
+        strategy = checked_strategy_class(layout, accelerator, precision)(layout, accelerator, precision, spec.train)
+        fabric = L.Fabric(
+            accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
+            precision=precision, loggers=make_loggers(spec.out_dir),
+        )
+        join_torchrun_group(accelerator)
+        fabric.launch()
+        return cls(spec, fabric, strategy, precision)
+
+    def prepare(self) -> None:
+        """Data and tokenizer (rank 0 first), the model built, filled and wrapped, the checkpointer, a resume."""
+        spec, fabric = self.spec, self.fabric
+
+        def load():
+            if fabric.global_rank == 0:
+                spec.check_out_dir()
+            resume_from = resolve_resume(spec.resume, spec.out_dir)
+            source = resolve_model(spec.model)
+            tokenizer = load_tokenizer(resolve_model(spec.tokenizer) if spec.tokenizer else source)
+            return source, tokenizer, spec.data.load_or_tokenize(tokenizer, spec.seed), resume_from
+
+        source, self.tokenizer, self.data, resume_from = rank_zero_first(fabric, load, "loading the tokenizer and data")
+        on_rank_zero(fabric, self._record_config, "writing the run's config")
+        data: PreparedData = self.data
+        if len(data.train) < spec.train.global_batch_size:
+            raise LitftError(
+                f"the training data has {len(data.train)} samples, fewer than one global batch ({spec.train.global_batch_size}); "
+                "add data or lower --train.global_batch_size"
+            )
+        mean_tokens = sum(len(s["input_ids"]) for s in data.train) / len(data.train)
+        self.total_steps = plan_steps(spec.train, len(data.train), mean_tokens)
+        fabric.seed_everything(spec.seed)
+        self.lm, fill, on_device = build_module(
+            source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed, device=fabric.device,
+        )
+        self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
+        model = self.lm.model
+        fabric.print(
+            f"{spec.job}: {sum(self.strategy.numel(p) for p in model.parameters()):,} parameters, "
+            f"{sum(self.strategy.numel(p) for p in model.parameters() if p.requires_grad):,} trained; "
+            f"{len(data.train)} train / {len(data.val)} val samples; world size {fabric.world_size}; precision {self.precision}"
+        )
+        self.checkpointer = Checkpointer(
+            fabric, self.strategy, self.lm, self.optimizer, self.scheduler, spec.out_dir, spec.train, self._meta(len(data.train)), spec.recorded,
+        )
+        position = self.checkpointer.resume(resume_from)
+        if position is not None:
+            self.state.load_state_dict(position)
+            continue_logs(fabric, self.state.step)
+            fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
+        self.start_step = self.state.step
+        train = spec.train
+        self.order = SampleOrder(len(data.train), train.global_batch_size, train.micro_batch_size, fabric.global_rank, fabric.world_size, spec.seed)
+        self.cadence = Cadence(self.total_steps, spec.eval, train.save_interval, train.max_tokens)
+        self.flops = StepFlops.for_run(self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print)
+        self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step)
+        samples = spec.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
+        self.sample_log = SampleLog(samples if train.record_sample_ids else None)
+
+    def _record_config(self) -> None:
+        self.spec.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.spec.out_dir / RUN_CONFIG).write_text(yaml.safe_dump(self.spec.recorded, sort_keys=False))
+
+    def _meta(self, num_train: int) -> CheckpointMeta:
+        """What this run's checkpoints record about it, and what a checkpoint must match to be resumed here."""
+        spec = self.spec
+        return CheckpointMeta(
+            job=spec.job, model=spec.model, quantize=spec.lora.quantize if spec.lora else None, **self.strategy.checkpoint_fields(),
+            model_fingerprint=CheckpointMeta.fingerprint(self.lm.hf_model.config), trained_shapes=self.strategy.trained_shapes(self.lm),
+            global_batch_size=spec.train.global_batch_size, num_train_samples=num_train, seed=spec.seed,
+        )
+
+    def train(self) -> LoopState:
+        """The loop, with stop signals noted and every rank's liveness watched while it runs."""
+        with StopSignals() as signals, PeerWatch.for_run(self.fabric, self.spec.layout.devices) as watch:
+            self.stops = StopRequests(signals, self.spec.train.stop_after_steps, self.start_step)
+            self.watch = watch
+            return fit(self)
+
+    def finish(self, started: float) -> RunResult:
+        """The replica check, the export of the final checkpoint, and the run's last lines."""
+        spec, fabric, state = self.spec, self.fabric, self.state
+        model = self.lm.model
+        if state.stopped_by:
+            last = self.checkpointer.last_path
+            saved = f"checkpoint {last}" if last else "no checkpoint (no step was trained)"
+            fabric.print(f"{spec.job} stopped by {state.stopped_by} after step {state.step}: {saved}; continue with --resume auto")
+            return RunResult(model=model, history=state.history, out_dir=spec.out_dir, final_dir=None)
+        divergence = self.strategy.replicas_in_step(self.lm)
+        if divergence is not None:
+            # Replicas that drifted apart would mean gradients were not averaged across them.
+            fabric.log_dict({"replica_max_abs_diff": divergence}, step=state.step)
+            fabric.print(f"replicas in step: largest parameter difference between replica groups {divergence:.3g}")
+        final_dir = spec.out_dir / "final"
+        on_rank_zero(fabric, lambda: self._export(final_dir), "exporting the final model")
+        scores = [h["val_score"] for h in state.history if "val_score" in h]
+        if len(scores) >= 2:
+            n = min(spec.eval.score_samples, len(self.data.scoring))
+            fabric.print(f"task score (exact match on {n} held-out prompts): {scores[0]:.3f} before, {scores[-1]:.3f} after")
+        fabric.print(f"{spec.job} finished {state.step} steps in {time.perf_counter() - started:.0f} s; model in {final_dir}")
+        return RunResult(model=model, history=state.history, out_dir=spec.out_dir, final_dir=final_dir)
+
+    def _export(self, final_dir: Path) -> None:
+        """From the final checkpoint, block by block: no rank gathers the whole model."""
+        dtype = DTYPE_NAMES[param_dtype(self.precision)]
+        export(self.checkpointer.last_path, final_dir, dtype=dtype)
+        if self.spec.lora is not None:
+            export(self.checkpointer.last_path, self.spec.out_dir / "final-adapter", merge_lora=False, dtype=dtype)
+
+
+def run_job(spec: "RunSpec") -> RunResult:
+    """The single path every job takes, from flags to an exported model."""
+    started = time.perf_counter()
+    trainer = Trainer.launch(spec)
+    failed = True
+    try:
+        trainer.prepare()
+        trainer.train()
+        result = trainer.finish(started)
+        failed = False
+        return result
+    finally:
+        leave_process_group(trainer.fabric, failed)

@@ -1,0 +1,70 @@
+"""The loop's small policies on their own, without processes: cadences, stop requests, throughput, position."""
+
+import json
+import time
+
+import pytest
+
+from litft.config import EvalArgs
+from litft.loop import LoopState
+from litft.metrics import Cadence, SampleLog, StopRequests, Throughput
+
+
+def test_cadence_validates_and_saves_on_its_intervals_but_not_at_the_end():
+    cadence = Cadence(total_steps=10, eval=EvalArgs(interval=4, initial_validation=True), save_interval=3)
+    assert [s for s in range(1, 11) if cadence.validate_now(s)] == [4, 8]
+    assert [s for s in range(1, 11) if cadence.save_now(s)] == [3, 6, 9]  # step 10 is saved by the end of the loop
+    assert cadence.validate_first(0) and not cadence.validate_first(5)  # a resumed run does not validate first
+    off = Cadence(total_steps=10, eval=EvalArgs(interval=0, initial_validation=False), save_interval=None)
+    assert not any(off.validate_now(s) or off.save_now(s) for s in range(1, 11)) and not off.validate_first(0)
+
+
+def test_cadence_ends_at_the_step_count_or_the_token_budget():
+    cadence = Cadence(total_steps=5, eval=EvalArgs(), save_interval=None, max_tokens=1000)
+    assert cadence.more(4, 999) and not cadence.more(5, 0) and not cadence.more(2, 1000)
+
+
+class Signals:
+    received = None
+
+
+def test_stop_requests_name_the_signal_first_then_the_step_budget():
+    signals = Signals()
+    stops = StopRequests(signals, stop_after_steps=3, start_step=10)
+    assert [stops.reason(s) for s in (10, 12)] == [None, None]
+    assert stops.reason(13) == "--train.stop_after_steps 3"  # three steps trained in this launch
+    signals.received = "SIGUSR1"
+    assert stops.reason(11) == "SIGUSR1"
+    assert StopRequests().reason(10**6) is None
+
+
+def test_throughput_rates_and_mfu(monkeypatch):
+    monkeypatch.setattr(time, "perf_counter", lambda: 102.0)
+    window = Throughput(started=100.0)
+    window.add(tokens=3000, samples=12, flops=4e12)
+    window.add(tokens=1000, samples=4, flops=4e12)
+    rates = window.rates(world_size=2, peak=1e12)
+    assert rates == {
+        "tokens_per_s": 2000.0, "tokens_per_s_per_device": 1000.0, "samples_per_s": 8.0,
+        "tflops_per_s_per_device": 2.0, "mfu": 2.0,
+    }
+    assert "mfu" not in Throughput(flops=1.0).rates(1, peak=None)
+
+
+def test_loop_position_round_trips_without_its_history():
+    state = LoopState(step=7, epoch=1, epoch_step=3, tokens=900, samples=56, history=[{"loss": 1.0}], stopped_by="SIGTERM")
+    again = LoopState()
+    again.load_state_dict(json.loads(json.dumps(state.state_dict())))
+    assert again.state_dict() == state.state_dict() == {"step": 7, "epoch": 1, "epoch_step": 3, "tokens": 900, "samples": 56}
+    assert again.history == [] and again.stopped_by is None
+    with pytest.raises(KeyError):
+        again.load_state_dict({"step": 1})
+
+
+def test_sample_log_writes_one_line_per_step(tmp_path):
+    log = SampleLog(tmp_path / "logs" / "rank-00000.jsonl")
+    log.write(1, 0, [[3, 1], [4]])
+    log.write(2, 0, [[5], [9, 2]])
+    lines = [json.loads(line) for line in (tmp_path / "logs" / "rank-00000.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "epoch": 0, "ids": [3, 1, 4]}, {"step": 2, "epoch": 0, "ids": [5, 9, 2]}]
+    SampleLog(None).write(1, 0, [[1]])  # off: writes nothing, needs no folder
