@@ -8,7 +8,7 @@ loading, so a job loads it for real onto its device; the estimate puts the same
 """
 
 import warnings
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from transformers.quantizers import AutoHfQuantizer
 
@@ -16,12 +16,15 @@ from litft.config import LoraArgs, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.lora import apply_lora, quantization_config
 from litft.model import CausalLM, load_causal_lm, load_config
-from litft.strategies.base import Fill
-from litft.weights import CheckpointWeights, Materializer, locate_checkpoint, skeleton
+from litft.strategies.base import Fill, TrainingStrategy
+from litft.weights import CheckpointWeights, locate_checkpoint, skeleton
 
 
-def build_model(config, precision: str, lora: Optional[LoraArgs], gradient_checkpointing: bool, *, source: Optional[str] = None, device=None):
-    """The job's model: its structure on the meta device, LoRA applied.
+def build_model(
+    config, precision: str, lora: Optional[LoraArgs], gradient_checkpointing: bool, *, source: Optional[str] = None, device=None,
+    attention: Optional[str] = None, structure: Callable = skeleton,
+):
+    """The job's model: its structure (on the meta device, or as the strategy builds it), LoRA applied.
 
     A 4-bit base (``lora.quantize``) is loaded for real from ``source`` onto
     ``device`` when a source is given (a job); without one (the estimate) its
@@ -32,11 +35,13 @@ def build_model(config, precision: str, lora: Optional[LoraArgs], gradient_check
     if quantize is not None and source is not None:
         model = load_causal_lm(source, random_init=False, dtype=param_dtype(precision), quantization_config=quantization, device=device)
     else:
-        model = skeleton(config, param_dtype(precision))
+        model = structure(config, param_dtype(precision))
         if quantize is not None:
             # transformers' own choice of which Linear layers load in 4 bits (not the output head).
             AutoHfQuantizer.from_config(quantization, pre_quantized=False).preprocess_model(model, device_map=None)
             model.is_loaded_in_4bit = True  # what loading the weights would set; peft reads it
+    if attention is not None:
+        model.set_attn_implementation(attention)
     with warnings.catch_warnings():
         # peft asks transformers 5 for is_gradient_checkpointing, which it has renamed; advice for peft, not the user.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -49,12 +54,20 @@ def build_model(config, precision: str, lora: Optional[LoraArgs], gradient_check
 
 def build_module(
     source: str, precision: str, lora: Optional[LoraArgs], train: TrainArgs, total_steps: int, *, random_init: bool, seed: int, device,
+    strategy: TrainingStrategy, attention: Optional[str] = None,
 ) -> Tuple[CausalLM, Fill, bool]:
-    """The LightningModule, the fill that gives its meta tensors values, and whether it is already on ``device``."""
-    model = build_model(load_config(source), precision, lora, train.gradient_checkpointing, source=source, device=device)
+    """The LightningModule, the fill that gives its tensors their first values, and whether it is already on ``device``.
+
+    The strategy builds the structure (on the meta device, or partitioned as it is
+    built) and says how it is filled.
+    """
+    model = build_model(
+        load_config(source), precision, lora, train.gradient_checkpointing, source=source, device=device, attention=attention,
+        structure=strategy.structure,
+    )
     lm = CausalLM(model, train, total_steps=total_steps)
     if lora is not None and lora.quantize is not None:
         return lm, lambda part: None, True
     weights = None if random_init else CheckpointWeights(locate_checkpoint(source))
-    return lm, Materializer(lm.model, lm.hf_model, weights, seed), False
+    return lm, strategy.filler(lm, weights, seed), False
 

@@ -1,4 +1,4 @@
-"""Where a run sits in a cluster: the launcher's variables, a preflight that fails in seconds, and stop signals.
+"""Where a run sits in a cluster: the launcher's variables, preflights that fail in seconds, and the process group.
 
 litft starts its own processes (``--devices N --num_nodes M`` with MASTER_ADDR,
 MASTER_PORT and NODE_RANK on each node), or joins the processes that torchrun or
@@ -8,22 +8,34 @@ timeout.
 """
 
 import os
-import signal
-import sys
-import threading
+import secrets
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
-from torch.distributed.distributed_c10d import _get_default_store
 
 from litft.errors import LitftError
+from litft.ranks import on_every_rank, on_rank_zero
 
-# What schedulers send before they kill: SLURM's preemption and time limit (--signal), Kubernetes, torchrun.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+def process_group_timeout() -> timedelta:
+    """How long a collective may wait before the process group gives up (LITFT_PROCESS_GROUP_TIMEOUT, seconds; 30 minutes by default).
+
+    litft's own long waits (rank 0 tokenizing, exporting) wait on the store, not in a
+    collective, so this bounds only real communication; the peer watch names dead ranks sooner.
+    """
+    seconds = os.environ.get("LITFT_PROCESS_GROUP_TIMEOUT", "1800")
+    try:
+        value = float(seconds)
+    except ValueError:
+        raise LitftError(f"LITFT_PROCESS_GROUP_TIMEOUT={seconds} is not a number of seconds") from None
+    if value <= 0:
+        raise LitftError(f"LITFT_PROCESS_GROUP_TIMEOUT must be positive, got {seconds}")
+    return timedelta(seconds=value)
 
 
 def launcher(env: Optional[Dict[str, str]] = None) -> str:
@@ -136,7 +148,7 @@ def check_in(node_rank: int, num_nodes: int, devices: int, host: str, port: int,
         )
 
 
-def join_torchrun_group(accelerator: str) -> None:
+def join_torchrun_group(backend: str, accelerator: str) -> None:
     """Under torchrun, start the process group on keys of this restart attempt alone.
 
     torchrun's agent keeps one TCPStore for every restart (the store is shared
@@ -150,11 +162,9 @@ def join_torchrun_group(accelerator: str) -> None:
         return
     if dist.is_initialized():
         return
-    backend = "gloo"
     if accelerator == "cuda":
         torch.cuda.set_device(int(env["LOCAL_RANK"]))
-        backend = "nccl"
-    timeout = timedelta(minutes=30)  # torch's and Lightning's default for a collective
+    timeout = process_group_timeout()
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
@@ -181,6 +191,31 @@ def leave_process_group(fabric, failed: bool) -> None:
     dist.destroy_process_group()
 
 
+def check_shared_out_dir(fabric, out_dir: Path) -> None:
+    """Every rank must see the files rank 0 writes into out_dir, or checkpoints are split across nodes' disks.
+
+    Rank 0 writes a token file with a fresh name; every rank looks for it. A node
+    that cannot see it is named in one line, in seconds instead of at the first resume.
+    """
+    if fabric.world_size == 1:
+        return
+    token = fabric.broadcast(f".litft-shared-{secrets.token_hex(8)}" if fabric.global_rank == 0 else None, src=0)
+    marker = Path(out_dir) / token
+    on_rank_zero(fabric, lambda: marker.write_text("litft checks that every node sees this folder"), "checking out_dir")
+
+    def look():
+        if not marker.is_file():
+            raise LitftError(
+                f"--out_dir {out_dir} is not the folder rank 0 writes to: rank {fabric.global_rank} (node {fabric.node_rank}) cannot see its files; "
+                "put out_dir on a filesystem every node mounts (NFS, Lustre, a cloud bucket mount) and pass the same path on every node"
+            )
+
+    try:
+        on_every_rank(fabric, look, "checking that out_dir is shared")
+    finally:
+        on_rank_zero(fabric, lambda: marker.unlink(missing_ok=True), "checking out_dir")
+
+
 def restarted() -> Optional[str]:
     """The launcher that restarted this run after a failure or preemption, if one did."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
@@ -188,143 +223,3 @@ def restarted() -> Optional[str]:
     if int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
         return f"SLURM requeue {os.environ['SLURM_RESTART_COUNT']}"
     return None
-
-
-class StopSignals:
-    """Notes the first SIGTERM or SIGUSR1 while training, so the loop can finish its step, checkpoint and stop.
-
-    Only one rank needs to receive it: the loop shares the flag in the all-reduce it
-    makes every step anyway, so every rank stops after the same step.
-    """
-
-    def __init__(self):
-        self.received: Optional[str] = None
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._note)
-        return self
-
-    def _note(self, signum, frame) -> None:
-        self.received = self.received or signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        return False
-
-
-class PeerWatch:
-    """Names the ranks a stuck step waits for, instead of waiting out the process group's 30-minute timeout.
-
-    A thread on every rank publishes a record (a counter that grows while the process
-    lives, and the step it is in) to the process group's store every few seconds. Once
-    this rank has spent ``timeout`` seconds in one phase of a step (training it,
-    validating, saving a checkpoint), it reads every record twice, still publishing its
-    own meanwhile: a rank whose counter stood still is dead, frozen or cut off, and this
-    rank exits with one line naming it, so torchrun or SLURM can restart the run from
-    its newest checkpoint. A slow phase with every rank alive, or ranks alive but still
-    in an earlier step, only gets a warning; the collective's own timeout then decides.
-    """
-
-    def __init__(self, rank: int, world_size: int, devices: int, timeout: float, store=None, interval: Optional[float] = None):
-        self.rank, self.world_size, self.devices, self.timeout = rank, world_size, devices, timeout
-        self.interval = interval or max(0.2, min(5.0, timeout / 4))  # seconds between signs of life
-        self.store = store
-        self.step, self.doing, self.since, self.beats = 0, "starting", time.monotonic(), 0
-        self._done = threading.Event()
-        self._thread = None
-        self._next_verdict = 0.0
-        self.on_fatal = lambda: os._exit(1)  # the main thread is stuck in a collective: only an exit ends it
-
-    @classmethod
-    def idle(cls) -> "PeerWatch":
-        """A watch that hears phases and judges nobody (one process, or before training)."""
-        return cls(0, 1, 1, 0.0)
-
-    @classmethod
-    def for_run(cls, fabric, devices: int) -> "PeerWatch":
-        timeout = float(os.environ.get("LITFT_COLLECTIVE_TIMEOUT", 300))
-        store = None
-        if fabric.world_size > 1 and timeout > 0:
-            store = dist.PrefixStore("litft/watch/", _get_default_store())
-        return cls(fabric.global_rank, fabric.world_size, devices, timeout, store)
-
-    def at(self, step: int, doing: str = "training") -> None:
-        """This rank started a phase of ``step``; each phase gets ``timeout`` seconds before peers are judged."""
-        self.step, self.doing, self.since, self._next_verdict = step, doing, time.monotonic(), 0.0
-
-    def __enter__(self):
-        if self.store is not None:
-            self._publish()
-            self._thread = threading.Thread(target=self._watch, name="litft-peer-watch", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self._thread is not None:
-            self._done.set()
-            self._thread.join()
-            if exc[0] is not None:
-                return False  # a rank that failed is missing: its counter stops and peers name it
-            try:
-                self.store.set(str(self.rank), "done")  # finished ranks are not missing ones
-            except Exception:  # noqa: BLE001 - the store's host may have finished first
-                pass
-        return False
-
-    def _publish(self) -> None:
-        self.beats += 1
-        self.store.set(str(self.rank), f"{self.beats} {self.step}")
-
-    def _records(self) -> Dict[int, Optional[tuple]]:
-        """Each rank's (counter, step); None for a rank that finished; (0, -1) for one that never started training."""
-        present = [r for r in range(self.world_size) if self.store.check([str(r)])]  # a plain get would wait for the rest
-        values = dict(zip(present, self.store.multi_get([str(r) for r in present]))) if present else {}
-        return {
-            r: (0, -1) if r not in values else None if values[r] == b"done" else tuple(int(x) for x in values[r].split())
-            for r in range(self.world_size)
-        }
-
-    def _watch(self) -> None:
-        while not self._done.wait(self.interval):
-            try:
-                self._publish()
-            except Exception:  # noqa: BLE001 - judged below, once the step is overdue
-                pass
-            now = time.monotonic()
-            if now - self.since > self.timeout and now >= self._next_verdict:
-                self._next_verdict = now + self.timeout  # a straggler is named again if it stays behind
-                verdict, fatal = self.verdict()
-                print(f"litft: {'error' if fatal else 'warning'}: {verdict}", file=sys.stderr, flush=True)
-                if fatal:
-                    self.on_fatal()
-
-    def verdict(self) -> tuple:
-        """One line on who this overdue step waits for, and whether waiting longer can help."""
-        step, waited = self.step, time.monotonic() - self.since
-        phase = f"step {step} ({self.doing})"
-        where = lambda r: f"rank {r} (node {r // self.devices})"  # noqa: E731
-        window = 4 * self.interval
-        try:
-            first = self._records()
-            end = time.monotonic() + window
-            while time.monotonic() < end:  # peers judging at the same time must see this rank alive
-                time.sleep(self.interval / 2)
-                self._publish()
-            second = self._records()
-        except Exception:  # noqa: BLE001 - node 0 hosts the store; no answer means it is gone
-            return (f"{phase} has waited {waited:.0f} s and the process group's store on node 0 (MASTER_ADDR) does not answer: "
-                    "node 0 is gone; check its log (the launcher restarts the run from its newest checkpoint)"), True
-        others = [r for r in range(self.world_size) if r != self.rank]
-        gone = [r for r in others if first[r] is not None and second[r] is not None and second[r][0] == first[r][0]]
-        if gone:
-            return (f"{phase} has waited {waited:.0f} s for {', '.join(map(where, gone))}: no sign of life for "
-                    f"{window:.0f} s (process dead or frozen, or node unreachable); check those nodes' logs "
-                    "(the launcher restarts the run from its newest checkpoint)"), True
-        behind = [r for r in others if second[r] is not None and second[r][1] < step]
-        if behind:
-            return f"{phase} has waited {waited:.0f} s for {', '.join(map(where, behind))}, alive but still in an earlier step", False
-        return f"{phase} has taken {waited:.0f} s on this rank; every rank is alive and in it (slow work, or a collective that hangs)", False

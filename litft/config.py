@@ -5,9 +5,9 @@ before any process starts or any file is touched; the jobs and ``litft
 estimate`` build the same groups and run the same checks.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import List, Literal, Optional, Union
+from typing import List, Literal, Optional, Tuple, Union
 
 from litft.errors import LitftError
 
@@ -17,6 +17,7 @@ StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed"]
 Quantize = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq"]
 STRATEGY_NAMES = ("auto", "ddp", "fsdp", "deepspeed")
 QUANTIZE_CHOICES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq")
+DEFAULT_GLOBAL_BATCH_SIZE = 32
 
 
 def at_least(value: Optional[int], minimum: int, flag: str, nullable: str = "") -> None:
@@ -29,8 +30,8 @@ def at_least(value: Optional[int], minimum: int, flag: str, nullable: str = "") 
 class TrainArgs:
     """What the training loop does: batch, schedule, length of the run."""
 
-    global_batch_size: int = 16
-    """Samples per optimizer step, summed over every rank and accumulation step."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step, summed over every rank and accumulation step (default: 32, rounded up to a multiple of micro_batch_size x world size)."""
     micro_batch_size: int = 4
     """Samples in one forward/backward pass on one rank; accumulation makes up the rest."""
     epochs: Optional[int] = None
@@ -68,8 +69,22 @@ class TrainArgs:
     record_sample_ids: bool = False
     """Each rank writes the indices of the samples it trained on, per step, to out_dir/logs/samples/rank-N.jsonl (to audit data order across resumes)."""
 
+    def resolved(self, world_size: int) -> Tuple["TrainArgs", Optional[str]]:
+        """These args with the global batch set where the user left it out, and a line saying so when it is not the default."""
+        if self.global_batch_size is not None:
+            return self, None
+        unit = self.micro_batch_size * world_size
+        chosen = max(unit, -(-DEFAULT_GLOBAL_BATCH_SIZE // unit) * unit)
+        note = None
+        if chosen != DEFAULT_GLOBAL_BATCH_SIZE:
+            note = (
+                f"global batch {chosen} samples (--train.global_batch_size not given; the default {DEFAULT_GLOBAL_BATCH_SIZE} rounded up "
+                f"to a multiple of micro batch {self.micro_batch_size} x {world_size} ranks)"
+            )
+        return replace(self, global_batch_size=chosen), note
+
     def check(self, world_size: int) -> None:
-        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+        if self.micro_batch_size < 1 or (self.global_batch_size is not None and self.global_batch_size < 1):
             raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
         if self.global_batch_size % (self.micro_batch_size * world_size):
             raise LitftError(

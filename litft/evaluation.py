@@ -1,5 +1,6 @@
 """Validation loss and exact-match scoring by generation, over every rank."""
 
+import math
 from typing import List, Optional
 
 import torch
@@ -38,14 +39,24 @@ def stop_tokens(model, tokenizer) -> List[int]:
 
 @torch.no_grad()
 def score(fabric, module, prompts: List[Prompted], tokenizer, max_new_tokens: int, batch_size: int = 64) -> float:
-    """Share of prompts whose greedy answer equals the reference exactly, over all ranks."""
+    """Share of prompts whose greedy answer equals the reference exactly, over all ranks.
+
+    Under FSDP and ZeRO-3 every forward is a collective, so every rank makes the same
+    generate calls and the same number of forwards in each: a rank with fewer prompts
+    answers a stand-in chunk it does not count, and generation goes on (``synced_gpus``)
+    until every rank's answers have ended.
+    """
     model = module.module.model if hasattr(module, "module") else module.model
     was_training = model.training
     model.eval()
     mine = prompts[fabric.global_rank :: fabric.world_size]
+    chunks = math.ceil(len(mine) / batch_size)
+    if fabric.world_size > 1:
+        chunks = int(fabric.all_reduce(torch.tensor(float(chunks), device=fabric.device), reduce_op="max").item())
     correct = 0
-    for i in range(0, len(mine), batch_size):
-        chunk = mine[i : i + batch_size]
+    for i in range(0, chunks * batch_size, batch_size):
+        chunk = mine[i : i + batch_size] or prompts[:1]  # a stand-in, not counted
+        counted = i < len(mine)
         width = max(len(p.prompt_ids) for p in chunk)
         # Left padding, so that every answer starts at the same column.
         input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -57,9 +68,11 @@ def score(fabric, module, prompts: List[Prompted], tokenizer, max_new_tokens: in
             out = model.generate(
                 input_ids=input_ids.to(fabric.device), attention_mask=attention.to(fabric.device), max_new_tokens=max_new_tokens,
                 do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_tokens(model, tokenizer),
+                synced_gpus=fabric.world_size > 1,
             )
-        for p, row in zip(chunk, out[:, width:]):
-            correct += tokenizer.decode(row, skip_special_tokens=True).strip() == p.reference
+        if counted:
+            for p, row in zip(chunk, out[:, width:]):
+                correct += tokenizer.decode(row, skip_special_tokens=True).strip() == p.reference
     totals = fabric.all_reduce(torch.tensor([correct, len(mine)], dtype=torch.float64, device=fabric.device), reduce_op="sum")
     model.train(was_training)
     return float(totals[0] / totals[1].clamp(min=1))

@@ -72,6 +72,10 @@ STRATEGY = Flag("strategy", StrategyName, "auto", "auto (one device, or DDP for 
 FSDP = Flag("fsdp", FSDPArgs, FSDPArgs(), "Sharding options for --strategy fsdp.")
 DEEPSPEED = Flag("deepspeed", DeepSpeedArgs, DeepSpeedArgs(), "ZeRO stage, offload and config file for --strategy deepspeed.")
 ACCELERATOR = Flag("accelerator", Accelerator, "auto", "auto, cpu or cuda.")
+ATTENTION = Flag(
+    "attn_implementation", Literal["auto", "litft_segments", "flash_attention_2", "sdpa", "eager"], "auto",
+    "Attention kernel: auto is flash_attention_2 where flash-attn is installed, else litft_segments (samples of a row kept apart without a mask); sdpa or eager need a dense mask for packed rows.",
+)
 QUANTIZE = Flag("quantize", Optional[Quantize], None, "Load the frozen base in 4 bits with bitsandbytes (QLoRA); -dq also quantizes the scales.")
 LORA_R = Flag("lora_r", int, 8, "Rank of the adapters.")
 LORA_ALPHA = Flag("lora_alpha", int, 16, "Adapter scale numerator (the update is scaled by alpha / r).")
@@ -93,6 +97,7 @@ RESUME = Flag(
 
 # Where the processes run and how they split the model: every job and litft estimate.
 PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, ACCELERATOR]
+MODEL_OPTIONS = [ATTENTION]
 LORA = [QUANTIZE, LORA_R, LORA_ALPHA, LORA_DROPOUT, LORA_TARGETS]
 RUN_CONTROL = [SEED, OVERWRITE, RESUME]
 JOB = Literal["finetune_lora", "finetune_full", "pretrain"]

@@ -16,7 +16,7 @@ from litft.config import EvalArgs, Layout, LoraArgs, TrainArgs
 from litft.data.base import DataModule
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
-from litft.flags import DATA, EVAL, LORA, MODEL, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, Flag, command
+from litft.flags import DATA, EVAL, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, Flag, command
 from litft.trainer import RunResult, run_job
 
 @dataclass
@@ -33,6 +33,7 @@ class RunSpec:
     train: TrainArgs
     eval: EvalArgs
     seed: int = 42
+    attn_implementation: str = "auto"
     lora: Optional[LoraArgs] = None
     tokenizer: Optional[str] = None
     random_init: bool = False
@@ -51,20 +52,27 @@ class RunSpec:
         layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"])
         common = dict(
             job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
-            accelerator=flags["accelerator"], layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
+            accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
             lora=lora, overwrite=flags["overwrite"], resume=flags["resume"],
             recorded=config_of({k: v for k, v in flags.items() if k not in ("overwrite", "resume")}),
         )
         return cls(**{**common, **job_fields})
 
-    def check(self) -> None:
-        """The flags' own checks; the layout's need the accelerator and are made when the run starts."""
+    def check(self) -> Optional[str]:
+        """The flags' own checks (the layout's need the accelerator and are made when the run starts).
+
+        A global batch left out is derived from the world size; the line saying so is returned.
+        """
+        if self.train.micro_batch_size < 1:
+            raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
+        self.train, note = self.train.resolved(self.layout.world_size)
         self.train.check(self.layout.world_size)
         self.eval.check(instruction_data=hasattr(self.data, "prompted"))
         if self.lora is not None:
             self.lora.check()
         if self.resume is not None and self.overwrite:
             raise LitftError("--overwrite true deletes the checkpoints that --resume continues from; pass only one of them")
+        return note
 
     def check_out_dir(self) -> None:
         """Refuse an out_dir with files in it, unless it is an earlier litft run and --overwrite or --resume was given."""
@@ -111,10 +119,10 @@ def _job_flags(default_out: str, train: TrainArgs, validation: EvalArgs, middle=
     out = OUT_DIR.but(default=Path(default_out), help=help.get("out_dir", OUT_DIR.help))
     tail = [TRAIN.but(default=train), EVAL.but(default=validation, help=help.get("eval", EVAL.help))]
     seeded = [SEED.but(help=help["seed"]) if f is SEED and "seed" in help else f for f in RUN_CONTROL]
-    return [*head, out, *PARALLEL, *middle, *tail, *seeded]
+    return [*head, out, *PARALLEL, *MODEL_OPTIONS, *middle, *tail, *seeded]
 
 
-FINETUNE_TRAIN = dict(global_batch_size=32, micro_batch_size=8, warmup_steps=20)
+FINETUNE_TRAIN = dict(micro_batch_size=8, warmup_steps=20)
 
 
 @command(_job_flags("out/finetune_full", TrainArgs(**FINETUNE_TRAIN, learning_rate=3e-3), EvalArgs(interval=200)))

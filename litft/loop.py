@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 
-from litft.data.base import collate
 from litft.evaluation import score, validate
 from litft.model import target_tokens
 
@@ -81,27 +80,28 @@ def fit(trainer: "Trainer") -> LoopState:
 
 def next_batch(trainer: "Trainer") -> Optional[StepBatch]:
     """This rank's micro-batches of the next step and the global counts; None when every rank stops instead."""
-    fabric, state, order = trainer.fabric, trainer.state, trainer.order
+    fabric, state = trainer.fabric, trainer.state
     trainer.watch.at(state.step + 1, "training")
-    if state.epoch_step >= order.steps_per_epoch:
+    if state.epoch_step >= trainer.order.steps_per_epoch:
         state.epoch, state.epoch_step = state.epoch + 1, 0
-    indices = order.micro_batches(state.epoch, state.epoch_step)
+    indices, micro = trainer.batches.get(state.epoch, state.epoch_step)
     trainer.sample_log.write(state.step + 1, state.epoch, indices)
     train = trainer.data.train
-    micro = [collate([train[i] for i in idx], trainer.tokenizer.pad_token_id) for idx in indices]
     reason = trainer.stops.reason(state.step)
     flops = sum(trainer.flops.of_row(len(train[i]["input_ids"])) for idx in indices for i in idx) if trainer.flops else 0.0
     # One all-reduce before the step: loss-carrying tokens (for the scale), input tokens, samples,
-    # whether any rank was asked to stop, and the step's model FLOPs.
+    # whether any rank was asked to stop, and the step's model FLOPs. Counted on the CPU from the
+    # batches, and reduced there where the process group can (gloo): no accelerator sync.
     counts = torch.tensor(
         [sum(target_tokens(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro),
          float(reason is not None), flops],
-        dtype=torch.float64, device=fabric.device,
+        dtype=torch.float64, device=trainer.strategy.host_device,
     )
     *summed, flops = fabric.all_reduce(counts, reduce_op="sum").tolist()
     targets, tokens, samples, stopping = (int(c) for c in summed)
     if stopping:
         state.stopped_by = reason or "a signal to another rank"
+        trainer.stops.agreed()
         return None
     return StepBatch(micro, targets, tokens, samples, flops)
 
@@ -122,12 +122,10 @@ def train_step(trainer: "Trainer", batch: StepBatch) -> None:
     trainer.meter.before_optimizer_step(state.step, module, optimizer)
     grad_norm = trainer.strategy.optimizer_step(module, optimizer, trainer.spec.train.max_norm)
     trainer.scheduler.step()
-    loss_total = fabric.all_reduce(loss_sum, reduce_op="sum").item()
     state.step, state.epoch_step = state.step + 1, state.epoch_step + 1
     state.tokens, state.samples = state.tokens + batch.tokens, state.samples + batch.samples
-    metrics = trainer.meter.after_step(
-        state, loss_total / max(batch.targets, 1), lr, grad_norm, batch.tokens, batch.samples, batch.flops, module, optimizer
-    )
+    # The loss and the norm stay on the device until a log step reads them.
+    metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer)
     state.history.append(metrics)
 
 

@@ -18,19 +18,26 @@ from tqdm import tqdm
 from litft.config import EvalArgs, TrainArgs
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak allocated GPU memory, or the process's peak resident memory on the CPU."""
+def peak_memory_gb(device: torch.device) -> List[float]:
+    """Peak memory of this process in GB: allocated and reserved by PyTorch's allocator on a GPU, resident memory on the CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # ru_maxrss is in KiB on Linux
+        return [torch.cuda.max_memory_allocated(device) / 1e9, torch.cuda.max_memory_reserved(device) / 1e9]
+    return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9]  # ru_maxrss is in KiB on Linux
 
 
 def peak_memory_by_rank(fabric) -> Dict[str, float]:
-    """Every rank's peak memory (GB) so far, and the fullest rank: the rank that runs out is rarely rank 0."""
-    local = torch.tensor([peak_memory_gb(fabric.device)], dtype=torch.float64, device=fabric.device)
-    peaks = fabric.all_gather(local).flatten().tolist() if fabric.world_size > 1 else [local.item()]
+    """Every rank's peak memory (GB) since the last reset, and the fullest rank: the rank that runs out is rarely rank 0.
+
+    On a GPU, ``peak_reserved_gb`` beside it is what the allocator held: fragmentation
+    and caching included, it is what runs out first.
+    """
+    local = torch.tensor(peak_memory_gb(fabric.device), dtype=torch.float64, device=fabric.device)
+    rows = fabric.all_gather(local).reshape(-1, len(local)).tolist() if fabric.world_size > 1 else [local.tolist()]
+    peaks = [row[0] for row in rows]
     fullest = max(range(len(peaks)), key=peaks.__getitem__)
     metrics = {"peak_memory_gb": peaks[fullest], "peak_memory_rank": fullest}
+    if len(local) > 1:
+        metrics["peak_reserved_gb"] = max(row[1] for row in rows)
     if len(peaks) > 1:
         metrics.update({f"peak_memory_gb/rank_{r}": gb for r, gb in enumerate(peaks)})
     return metrics
@@ -62,12 +69,17 @@ class Cadence:
 class StopRequests:
     """Why this rank wants the run to end after the current step, if it does.
 
-    A stop signal (noted by ``cluster.StopSignals``) or ``--train.stop_after_steps``
+    A stop signal (noted by ``watch.StopSignals``) or ``--train.stop_after_steps``
     steps trained in this launch; the loop shares the answer with every rank.
     """
 
     def __init__(self, signals=None, stop_after_steps: Optional[int] = None, start_step: int = 0):
         self.signals, self.stop_after_steps, self.start_step = signals, stop_after_steps, start_step
+
+    def agreed(self) -> None:
+        """Every rank stops after this step: a signal's deadline for reaching a step boundary is met."""
+        if self.signals is not None:
+            self.signals.acknowledge()
 
     def reason(self, step: int) -> Optional[str]:
         if self.signals is not None and self.signals.received is not None:
@@ -173,19 +185,24 @@ class StepMeter:
         if step == self.start_step:  # gradients as the step sees them; zero_grad frees them
             self.grad_bytes = self.strategy.state_bytes(lm, optimizer)["grads"]
 
-    def after_step(self, state, loss: float, lr: float, grad_norm: Optional[float], tokens: int, samples: int, flops: float, lm, optimizer) -> dict:
-        metrics = {"loss": loss, "lr": lr, "epoch": state.epoch, "tokens": state.tokens}
-        if state.step == self.start_step + 1:
+    def after_step(self, state, loss_sum: torch.Tensor, lr: float, grad_norm, batch, lm, optimizer) -> dict:
+        """The step's metrics; only log steps read the loss and norm back from the device, and gather memory."""
+        metrics = {"lr": lr, "epoch": state.epoch, "tokens": state.tokens}
+        first = state.step == self.start_step + 1
+        if first:
             metrics.update(self._state_bytes(lm, optimizer))
-        if grad_norm is not None:
-            metrics["grad_norm"] = grad_norm
-        self.window.add(tokens, samples, flops)
+        self.window.add(batch.tokens, batch.samples, batch.flops)
         if state.step % self.train.log_interval == 0 or state.step == self.total_steps:
+            metrics["loss"] = self.fabric.all_reduce(loss_sum, reduce_op="sum").item() / max(batch.targets, 1)
+            if grad_norm is not None:
+                metrics["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             metrics.update(self.window.rates(self.fabric.world_size, self.flops.peak if self.flops else None))
             metrics.update(peak_memory_by_rank(self.fabric))
             self.fabric.log_dict(metrics, step=state.step)
             self.progress.update(state.step, metrics)
             self.window = Throughput()
+        if first and self.fabric.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.fabric.device)  # later peaks are training's, not setup's
         return metrics
 
     def _state_bytes(self, lm, optimizer) -> Dict[str, int]:

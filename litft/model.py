@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from litft.attention import PACKED_SAFE
 from litft.config import TrainArgs
 from litft.data.base import IGNORE_INDEX
 from litft.errors import LitftError
@@ -94,6 +95,27 @@ def keep_4bit_training_layout(model: torch.nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def keep_rotary_fp32(model: torch.nn.Module) -> int:
+    """Recompute rotary frequencies in fp32 wherever a low-precision cast reached them; the number of modules fixed.
+
+    ``--precision bf16-true`` casts the whole module, buffers included (Lightning's
+    ``HalfPrecision.convert_module``), and rotary frequencies rounded to bf16 put
+    every position past a few hundred visibly off (transformers#25681, #29496).
+    The rotary module is built again from its config, which computes them in fp32.
+    """
+    fixed = 0
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype == torch.float32 or not hasattr(module, "config"):
+            continue
+        fresh = type(module)(config=module.config)
+        for name, buffer in fresh.named_buffers(recurse=False):
+            if buffer.is_floating_point():
+                setattr(module, name, buffer.to(device=inv_freq.device, dtype=torch.float32))
+        fixed += 1
+    return fixed
+
+
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """Learning-rate multiplier: linear warmup to 1, then cosine down to ``min_ratio``."""
     if warmup_steps > 0 and step < warmup_steps:
@@ -115,20 +137,19 @@ class CausalLM(L.LightningModule):
         self.model = model
         self.train_args = train
         self.total_steps = total_steps
-        # Gives real values to a part built on the meta device (see litft.weights); the
-        # strategy calls it per transformer block when it shards, or once for the whole model.
-        self.materialize = lambda part: None
 
     @property
     def hf_model(self) -> torch.nn.Module:
         """The transformers model itself, under peft's wrapper if LoRA was applied."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, varlen: Optional[dict] = None) -> torch.Tensor:
+        # Where each sample of a row starts, for attention that keeps them apart (litft.attention).
+        extra = varlen if varlen is not None and self.hf_model.config._attn_implementation in PACKED_SAFE else {}
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
-        logits = self(batch["input_ids"], batch.get("position_ids"))
+        logits = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
         # Shift the labels, not the logits: slicing the logits copies the largest tensor of the
         # step (and its gradient) once more; the last position's label is then ignored.
         targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)

@@ -16,21 +16,24 @@ import lightning as L
 import torch
 import yaml
 
+from litft.attention import choose as choose_attention
+from litft.attention import describe as describe_attention
 from litft.build import build_module
 from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
 from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.checkpoint.format import RUN_CONFIG
-from litft.cluster import PeerWatch, StopSignals, apply_launcher_env, join_torchrun_group, leave_process_group, preflight, restarted
-from litft.data.base import PreparedData, SampleOrder
-from litft.device import param_dtype, resolve_accelerator, resolve_precision
+from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, leave_process_group, preflight, restarted
+from litft.data.base import PreparedData, SampleOrder, StepBatches
+from litft.device import cuda_allocator_defaults, param_dtype, resolve_accelerator, resolve_precision
 from litft.errors import LitftError
 from litft.flops import StepFlops
 from litft.logs import continue_logs, make_loggers, quiet_libraries
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
-from litft.model import load_tokenizer, resolve_model
+from litft.model import keep_rotary_fp32, load_tokenizer, resolve_model
 from litft.ranks import on_rank_zero, rank_zero_first
 from litft.strategies import checked_strategy_class
+from litft.watch import PeerWatch, StopSignals
 
 if TYPE_CHECKING:
     from litft.jobs import RunSpec
@@ -72,10 +75,11 @@ class Trainer:
     def launch(cls, spec: "RunSpec") -> "Trainer":
         """Check the world and the flags, pick the strategy, and start (or join) the processes."""
         quiet_libraries()
+        cuda_allocator_defaults()
         layout = spec.layout
         layout.devices, layout.num_nodes = apply_launcher_env(layout.devices, layout.num_nodes)
         preflight(layout.devices, layout.num_nodes)  # a wrong world explains every later complaint, so it goes first
-        spec.check()
+        batch_note = spec.check()
         if spec.resume is None and restarted():
             spec.resume = "auto"  # a launcher brought the run back: continue from its newest checkpoint
         accelerator = resolve_accelerator(spec.accelerator)
@@ -85,8 +89,10 @@ class Trainer:
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
             precision=precision, loggers=make_loggers(spec.out_dir),
         )
-        join_torchrun_group(accelerator)
+        join_torchrun_group(strategy.backend, accelerator)
         fabric.launch()
+        if batch_note:
+            fabric.print(batch_note)
         return cls(spec, fabric, strategy, precision)
 
     def prepare(self) -> None:
@@ -101,8 +107,10 @@ class Trainer:
             tokenizer = load_tokenizer(resolve_model(spec.tokenizer) if spec.tokenizer else source)
             return source, tokenizer, spec.data.load_or_tokenize(tokenizer, spec.seed), resume_from
 
+        self.watch.at(0, "loading the tokenizer and data")
         source, self.tokenizer, self.data, resume_from = rank_zero_first(fabric, load, "loading the tokenizer and data")
         on_rank_zero(fabric, self._record_config, "writing the run's config")
+        check_shared_out_dir(fabric, spec.out_dir)
         data: PreparedData = self.data
         if len(data.train) < spec.train.global_batch_size:
             raise LitftError(
@@ -111,11 +119,16 @@ class Trainer:
             )
         mean_tokens = sum(len(s["input_ids"]) for s in data.train) / len(data.train)
         self.total_steps = plan_steps(spec.train, len(data.train), mean_tokens)
+        self.watch.at(0, "building the model")
         fabric.seed_everything(spec.seed)
+        attention = choose_attention(spec.attn_implementation, fabric.device.type)
+        fabric.print(describe_attention(attention, fabric.device.type))
         self.lm, fill, on_device = build_module(
-            source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed, device=fabric.device,
+            source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed,
+            device=fabric.device, strategy=self.strategy, attention=attention,
         )
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
+        keep_rotary_fp32(self.lm)
         model = self.lm.model
         fabric.print(
             f"{spec.job}: {sum(self.strategy.numel(p) for p in model.parameters()):,} parameters, "
@@ -125,14 +138,16 @@ class Trainer:
         self.checkpointer = Checkpointer(
             fabric, self.strategy, self.lm, self.optimizer, self.scheduler, spec.out_dir, spec.train, self._meta(len(data.train)), spec.recorded,
         )
+        self.watch.at(0, "resuming")
         position = self.checkpointer.resume(resume_from)
         if position is not None:
             self.state.load_state_dict(position)
             continue_logs(fabric, self.state.step)
             fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
-        self.start_step = self.state.step
+        self.start_step = self.stops.start_step = self.state.step
         train = spec.train
         self.order = SampleOrder(len(data.train), train.global_batch_size, train.micro_batch_size, fabric.global_rank, fabric.world_size, spec.seed)
+        self.batches = StepBatches(data.train, self.order, self.tokenizer.pad_token_id, pin=fabric.device.type == "cuda")
         self.cadence = Cadence(self.total_steps, spec.eval, train.save_interval, train.max_tokens)
         self.flops = StepFlops.for_run(self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print)
         self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step)
@@ -152,12 +167,17 @@ class Trainer:
             global_batch_size=spec.train.global_batch_size, num_train_samples=num_train, seed=spec.seed,
         )
 
-    def train(self) -> LoopState:
-        """The loop, with stop signals noted and every rank's liveness watched while it runs."""
-        with StopSignals() as signals, PeerWatch.for_run(self.fabric, self.spec.layout.devices) as watch:
-            self.stops = StopRequests(signals, self.spec.train.stop_after_steps, self.start_step)
+    def run(self, started: float) -> RunResult:
+        """Every phase after launch, with stop signals noted and every rank's liveness watched throughout."""
+        with PeerWatch.for_run(self.fabric, self.spec.layout.devices) as watch, StopSignals(where=watch.describe) as signals:
             self.watch = watch
-            return fit(self)
+            self.stops = StopRequests(signals, self.spec.train.stop_after_steps)
+            self.prepare()
+            try:
+                fit(self)
+            finally:
+                self.batches.close()
+            return self.finish(started)
 
     def finish(self, started: float) -> RunResult:
         """The replica check, the export of the final checkpoint, and the run's last lines."""
@@ -171,9 +191,10 @@ class Trainer:
         divergence = self.strategy.replicas_in_step(self.lm)
         if divergence is not None:
             # Replicas that drifted apart would mean gradients were not averaged across them.
-            fabric.log_dict({"replica_max_abs_diff": divergence}, step=state.step)
-            fabric.print(f"replicas in step: largest parameter difference between replica groups {divergence:.3g}")
+            fabric.log_dict({"replica_checksum_spread": divergence}, step=state.step)
+            fabric.print(f"replicas in step: largest difference of parameter checksums between replica groups {divergence:.3g}")
         final_dir = spec.out_dir / "final"
+        self.watch.at(state.step, "exporting the final model")
         on_rank_zero(fabric, lambda: self._export(final_dir), "exporting the final model")
         scores = [h["val_score"] for h in state.history if "val_score" in h]
         if len(scores) >= 2:
@@ -196,9 +217,7 @@ def run_job(spec: "RunSpec") -> RunResult:
     trainer = Trainer.launch(spec)
     failed = True
     try:
-        trainer.prepare()
-        trainer.train()
-        result = trainer.finish(started)
+        result = trainer.run(started)
         failed = False
         return result
     finally:

@@ -4,6 +4,7 @@ import hashlib
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -182,10 +183,14 @@ def pack(samples: List[Sample], max_length: int) -> List[Sample]:
 
 
 def collate(samples: List[Sample], pad_id: int) -> Dict[str, torch.Tensor]:
-    """Right-pad a micro-batch; padding is its own position-id segment and carries no loss.
+    """Right-pad a micro-batch; padding carries no loss, and its positions count on from the row's last sample.
 
     Every batch carries position ids and no attention mask: with right padding the
-    real tokens never see the pad tokens, and packed rows need position ids anyway.
+    real tokens never see the pad tokens. Positions that count on through the
+    padding are what lets transformers skip the mask altogether (a reset reads as a
+    packed row and costs a dense S x S mask); packed rows restart them per sample.
+    The varlen arguments say where each sample starts, for attention that keeps the
+    samples of a row apart without a mask.
     """
     width = max(len(s["input_ids"]) for s in samples)
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
@@ -196,10 +201,33 @@ def collate(samples: List[Sample], pad_id: int) -> Dict[str, torch.Tensor]:
         input_ids[row, :n] = sample["input_ids"]
         labels[row, :n] = sample["labels"]
         position_ids[row, :n] = sample.get("position_ids", torch.arange(n))
-        position_ids[row, n:] = torch.arange(width - n)
+        position_ids[row, n:] = torch.arange(width - n) + position_ids[row, n - 1] + 1
     ids = torch.stack([torch.as_tensor(s["id"]) for s in samples])
     num_tokens = torch.tensor(sum(len(s["input_ids"]) for s in samples))
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "ids": ids, "num_tokens": num_tokens}
+    return {
+        "input_ids": input_ids, "labels": labels, "position_ids": position_ids, "ids": ids, "num_tokens": num_tokens,
+        "varlen": cumulative_lengths(position_ids),
+    }
+
+
+def sample_lengths(position_ids: torch.Tensor) -> torch.Tensor:
+    """Lengths of the samples of every row, in order: a new one begins wherever the position id does not count on by one."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    begins = starts.flatten().nonzero().flatten()
+    return torch.diff(begins, append=torch.tensor([position_ids.numel()], device=begins.device))
+
+
+def cumulative_lengths(position_ids: torch.Tensor) -> dict:
+    """The varlen keyword arguments of a batch (on the CPU, where collate made it): cumulative sample lengths and the longest.
+
+    transformers hands them to the attention function, and FlashAttention-2 takes them as they are.
+    """
+    lengths = sample_lengths(position_ids)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    longest = int(lengths.max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 class SampleOrder:
@@ -237,6 +265,40 @@ class SampleOrder:
         start = step * self.global_batch_size
         mine = perm[start + self.rank : start + self.global_batch_size : self.world_size]
         return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
+
+
+class StepBatches:
+    """This rank's collated micro-batches of every step, made one step ahead on a worker thread.
+
+    The next step's batches are collated (and pinned, for a GPU's non-blocking copy)
+    while the current step computes; which samples they hold is still the
+    ``SampleOrder``'s pure function of (epoch, step).
+    """
+
+    def __init__(self, samples: List[Sample], order: "SampleOrder", pad_id: int, pin: bool = False):
+        self.samples, self.order, self.pad_id, self.pin = samples, order, pad_id, pin
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="litft-collate")
+        self.ahead = None
+
+    def make(self, epoch: int, step: int):
+        indices = self.order.micro_batches(epoch, step)
+        micro = [collate([self.samples[i] for i in idx], self.pad_id) for idx in indices]
+        if self.pin:
+            micro = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in b.items()} for b in micro]
+        return indices, micro
+
+    def get(self, epoch: int, step: int):
+        """(indices, micro-batches) of this step of this epoch; the next step's are started at once."""
+        if self.ahead is not None and self.ahead[0] == (epoch, step):
+            made = self.ahead[1].result()
+        else:
+            made = self.make(epoch, step)
+        following = (epoch, step + 1) if step + 1 < self.order.steps_per_epoch else (epoch + 1, 0)
+        self.ahead = (following, self.pool.submit(self.make, *following))
+        return made
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def eval_batches(num_samples: int, micro_batch_size: int, rank: int, world_size: int) -> Iterator[List[int]]:

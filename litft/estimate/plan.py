@@ -74,7 +74,7 @@ def plan_memory(flags: dict) -> dict:
     if flags["attention"] is not None:
         config._attn_implementation = flags["attention"]
     tensors = model_tensors(build_model(config, precision, lora, False), flags["quantize"])
-    states = strategy.memory_layout(tensors, layout, precision, train)
+    states = strategy.memory_layout(tensors, layout, precision, train, hidden_size=config.hidden_size)
     facts = strategy.facts(layout, precision)
 
     params_dtype, autocast = strategy.compute_view(layout, precision)

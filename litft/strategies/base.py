@@ -19,6 +19,7 @@ from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype
 from litft.errors import LitftError
 from litft.memory import Param, States
+from litft.weights import CheckpointWeights, Materializer, skeleton
 
 Fill = Callable[[torch.nn.Module], None]  # gives real values to the meta tensors of a part of the model
 
@@ -53,8 +54,15 @@ class TrainingStrategy:
 
     def __init__(self, layout: Layout, accelerator: str, precision: str, train: TrainArgs):
         self.layout, self.accelerator, self.precision, self.train = layout, accelerator, precision, train
-        self.backend = "nccl" if accelerator == "cuda" else "gloo"  # gloo is the only backend that works on the CPU
+        # NCCL for GPU tensors, and gloo beside it for CPU tensors (offloaded gradients, the loop's counts,
+        # which then need no GPU sync); gloo alone on the CPU.
+        self.backend = "cuda:nccl,cpu:gloo" if accelerator == "cuda" else "gloo"
         self.fabric = None
+
+    @property
+    def host_device(self) -> str:
+        """Where small collectives (counts, flags) can run without synchronizing the accelerator."""
+        return "cpu" if "gloo" in self.backend else self.accelerator
 
     # ------------------------------------------------------------ before any process starts
 
@@ -71,7 +79,15 @@ class TrainingStrategy:
         """What ``lightning.Fabric(strategy=...)`` takes."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------ training
+    # ------------------------------------------------------------ building and training
+
+    def structure(self, config, dtype: torch.dtype) -> torch.nn.Module:
+        """The model's structure before it has values: on the meta device, filled unit by unit later."""
+        return skeleton(config, dtype)
+
+    def filler(self, lm, weights: Optional[CheckpointWeights], seed: int) -> Fill:
+        """What gives the structure's tensors their first values: the checkpoint's, or a seeded init (``weights`` None)."""
+        return Materializer(lm.model, lm.hf_model, weights, seed)
 
     def setup(self, fabric, lm, fill: Fill, on_device: bool):
         """Fill the model, wrap it, and make its optimizer and LR scheduler: ``(module, optimizer, scheduler)``.
@@ -84,14 +100,16 @@ class TrainingStrategy:
         made = lm.configure_optimizers()
         return module, fabric.setup_optimizers(made["optimizer"]), made["lr_scheduler"]
 
-    def optimizer_step(self, module, optimizer, max_norm: Optional[float]) -> Optional[float]:
-        """Clip, step, zero the gradients; the global gradient norm before clipping (None when not computed)."""
-        norm = self.fabric.clip_gradients(module, optimizer, max_norm=max_norm) if max_norm else None
+    def optimizer_step(self, module, optimizer, max_norm: Optional[float]):
+        """Clip, step, zero the gradients; the global gradient norm before clipping, as a tensor (None when not computed).
+
+        Non-finite norms are not checked here: that check reads the norm back from the
+        device every step; the logged norm shows them.
+        """
+        norm = self.fabric.clip_gradients(module, optimizer, max_norm=max_norm, error_if_nonfinite=False) if max_norm else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if norm is None:
-            return None
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm
 
     def state_bytes(self, lm, optimizer) -> Dict[str, int]:
         """Bytes of parameters, gradients and optimizer states this rank holds (measure before zero_grad)."""
@@ -156,7 +174,7 @@ class TrainingStrategy:
     # ------------------------------------------------------------ for litft estimate
 
     @classmethod
-    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs) -> States:
+    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
         """Parameters, gradients, optimizer states and buffers of the fullest rank, as ``state_bytes`` measures them."""
         raise NotImplementedError
 

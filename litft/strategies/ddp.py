@@ -1,9 +1,10 @@
 """One device, and DistributedDataParallel: every rank holds the whole model and its states."""
 
-from typing import List
+from typing import List, Optional
 
 from lightning.fabric.strategies import DDPStrategy
 
+from litft.cluster import process_group_timeout
 from litft.config import Layout, TrainArgs
 from litft.memory import Param, Row, States
 from litft.strategies.base import TrainingStrategy
@@ -29,7 +30,7 @@ class SingleDevice(TrainingStrategy):
         return "auto"
 
     @classmethod
-    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs) -> States:
+    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
         return whole_model_states(tensors)
 
 
@@ -39,10 +40,10 @@ class DDP(TrainingStrategy):
     name = "DDP"
 
     def fabric_strategy(self):
-        return DDPStrategy(process_group_backend=self.backend)
+        return DDPStrategy(process_group_backend=self.backend, timeout=process_group_timeout())
 
     @classmethod
-    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs) -> States:
+    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
         states = whole_model_states(tensors)
         # DDP copies gradients into flat buckets for the all-reduce (gradient_as_bucket_view is off).
         states.buffers.append(("DDP gradient buckets", Row(states.grads.gpu)))

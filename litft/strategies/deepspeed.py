@@ -19,6 +19,7 @@ from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.fabric.utilities.seed import reset_seed
 
 from litft.checkpoint.format import TrainedTensors
+from litft.cluster import process_group_timeout
 from litft.config import DeepSpeedArgs, Layout, TrainArgs
 from litft.device import compute_dtype
 from litft.errors import LitftError
@@ -31,11 +32,32 @@ INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
 DS_DEFAULTS = {"reduce_bucket_size": 5e8, "prefetch_bucket_size": 5e7, "param_persistence_threshold": 1e5, "max_live_parameters": 1e9}
 
 
-def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, world_size: int, precision: str) -> dict:
+def zero_buckets(stage: int, hidden_size: int) -> dict:
+    """Communication that overlaps the backward, in buckets sized to the model's width.
+
+    DeepSpeed turns overlap_comm on by itself only for stage 3, and its 5e8-element
+    default buckets are 1 GB in bf16 whatever the model. These are the sizes HF's
+    "auto" values give (h^2 for reductions, 0.9 h^2 for stage 3's prefetch, 10 h for
+    the parameters stage 3 keeps whole).
+    """
+    if stage == 0:
+        return {}
+    square = hidden_size * hidden_size
+    buckets = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": square}
+    if stage == 3:
+        buckets.update(stage3_prefetch_bucket_size=int(0.9 * square), stage3_param_persistence_threshold=10 * hidden_size)
+    else:
+        buckets["allgather_bucket_size"] = square
+    return buckets
+
+
+def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, world_size: int, precision: str, hidden_size: Optional[int] = None) -> dict:
     """DeepSpeed's config from litft's flags, or the user's file with its "auto" values filled in.
 
     The loop owns accumulation: it marks the last micro-batch as the boundary (see
-    ``AccumulationBoundary``), then steps once, as under every other strategy.
+    ``AccumulationBoundary``), then steps once, as under every other strategy. With
+    the model's ``hidden_size``, communication overlaps the backward in sized buckets
+    wherever the config leaves them out or says "auto" (``zero_buckets``).
     """
     ours = {
         "train_batch_size": train.global_batch_size,
@@ -70,7 +92,12 @@ def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, world_size: int, pre
             )
         config[section] = {**config.get(section, {}), "enabled": enabled}
     config.setdefault("zero_optimization", {"stage": 0})
-    if config["zero_optimization"].get("stage", 0) == 0:
+    zero = config["zero_optimization"]
+    if hidden_size is not None:
+        for key, value in zero_buckets(int(zero.get("stage", 0)), hidden_size).items():
+            if zero.get(key, "auto") == "auto":
+                zero[key] = value
+    if zero.get("stage", 0) == 0:
         config["gradient_clipping"] = 0.0  # litft clips stage 0 itself (see DeepSpeed.optimizer_step)
     # litft's AdamW keeps the math identical across strategies; DeepSpeed warns about client optimizers otherwise.
     config.setdefault("zero_allow_untested_optimizer", True)
@@ -177,6 +204,7 @@ class DeepSpeed(TrainingStrategy):
 
     def __init__(self, layout: Layout, accelerator: str, precision: str, train: TrainArgs):
         super().__init__(layout, accelerator, precision, train)
+        self.backend = "nccl" if accelerator == "cuda" else "gloo"  # DeepSpeed's communication layer takes one backend
         self.config = deepspeed_config(layout.deepspeed, train, layout.world_size, precision)
         self.stage = int(self.config["zero_optimization"].get("stage", 0))
 
@@ -200,25 +228,27 @@ class DeepSpeed(TrainingStrategy):
         return {"strategy": f"DeepSpeed ZeRO-{stage}", "shard_group": None, "zero_stage": stage}
 
     @staticmethod
-    def zero_section(layout: Layout, precision: str, train: Optional[TrainArgs] = None) -> dict:
+    def zero_section(layout: Layout, precision: str, train: Optional[TrainArgs] = None, hidden_size: Optional[int] = None) -> dict:
         one_step = train or TrainArgs(global_batch_size=layout.world_size, micro_batch_size=1)
-        return deepspeed_config(layout.deepspeed, one_step, layout.world_size, precision)["zero_optimization"]
+        return deepspeed_config(layout.deepspeed, one_step, layout.world_size, precision, hidden_size)["zero_optimization"]
 
     def fabric_strategy(self):
         if self.accelerator == "cpu":
             # Read when deepspeed is first imported; without it DeepSpeed looks for CUDA.
             os.environ["DS_ACCELERATOR"] = "cpu"
-        return DeepSpeedAnyDevice(config=self.config, process_group_backend=self.backend)
+        return DeepSpeedAnyDevice(config=self.config, process_group_backend=self.backend, timeout=process_group_timeout())
 
     def setup(self, fabric, lm, fill: Fill, on_device: bool):
-        """DeepSpeed takes model and optimizer together."""
+        """DeepSpeed takes model and optimizer together; its buckets are sized to the model now that it is known."""
         self.fabric = fabric
+        sized = deepspeed_config(self.layout.deepspeed, self.train, self.layout.world_size, self.precision, lm.hf_model.config.hidden_size)
+        fabric.strategy.config["zero_optimization"].update(sized["zero_optimization"])
         fill(lm)
         made = lm.configure_optimizers()
         module, optimizer = fabric.setup(lm, made["optimizer"])
         return module, optimizer, made["lr_scheduler"]
 
-    def optimizer_step(self, module, optimizer, max_norm: Optional[float]) -> Optional[float]:
+    def optimizer_step(self, module, optimizer, max_norm: Optional[float]):
         if self.stage > 0:
             optimizer.step()  # ZeRO clips inside its step, from gradient_clipping in its config
             norm = self.fabric.strategy.model.get_global_grad_norm()
@@ -228,7 +258,7 @@ class DeepSpeed(TrainingStrategy):
             norm = torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm) if max_norm else None
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return None if norm is None else float(norm)
+        return norm
 
     def state_bytes(self, lm, optimizer) -> Dict[str, int]:
         params = list(lm.parameters())
@@ -304,8 +334,8 @@ class DeepSpeed(TrainingStrategy):
         return super().compute_view(layout, precision)
 
     @classmethod
-    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs) -> States:
-        return zero_states(tensors, cls.zero_section(layout, precision, train), layout.world_size, precision)
+    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
+        return zero_states(tensors, cls.zero_section(layout, precision, train, hidden_size), layout.world_size, precision)
 
 
 def _zero_setting(zero: dict, name: str) -> float:

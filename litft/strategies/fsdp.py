@@ -5,20 +5,26 @@ with gloo too, so every sharding strategy is tested in CI.
 """
 
 import math
+from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from litft.cluster import process_group_timeout
 from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
 from litft.strategies.base import Fill, TrainingStrategy
 from litft.weights import transformer_blocks
+
+
+CHECKSUM_CHUNK = 2**20  # elements summed at a time by the replica check
 
 
 def mesh_shape(layout: Layout) -> Tuple[int, int]:
@@ -42,11 +48,39 @@ def shard_units(hf_model) -> List[torch.nn.Module]:
     return units
 
 
+class ReplicaSync:
+    """Fabric's no_backward_sync for FSDP2: gradients are reduce-scattered after every micro-batch.
+
+    Lightning turns all gradient sync off during accumulation, and FSDP2 then keeps
+    every parameter's whole gradient (in the reduce dtype) on every rank until the
+    last micro-batch: 4 bytes per parameter that sharding was meant to save. Here
+    each micro-batch's gradients are reduce-scattered into the shards; under
+    HYBRID_SHARD only the all-reduce across replicas waits for the last micro-batch.
+    """
+
+    def no_backward_sync(self, module, enabled: bool):
+        return _replica_all_reduce(module, not enabled)
+
+
+@contextmanager
+def _replica_all_reduce(module, on: bool):
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_requires_all_reduce(on, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_all_reduce(True, recurse=False)
+
+
 class FSDP2FabricStrategy(ModelParallelStrategy):
     """Fabric's model-parallel strategy with litft's (replicate, shard) mesh and per-unit fill-then-shard."""
 
-    def __init__(self, layout: Layout, precision: str, backend: str):
-        super().__init__(parallelize_fn=self._shard, process_group_backend=backend)
+    def __init__(self, layout: Layout, precision: str, backend: str, offload_pinned: bool):
+        super().__init__(parallelize_fn=self._shard, process_group_backend=backend, timeout=process_group_timeout())
+        self._backward_sync_control = ReplicaSync()
+        self.offload_pinned = offload_pinned
         self.layout = layout
         self.mixed = precision.endswith("-mixed")
         self.compute_dtype = compute_dtype(precision)
@@ -71,7 +105,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
             # Low-precision compute, full-precision gradient reduction and sharded master weights.
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         if self.layout.fsdp.cpu_offload:
-            options["offload_policy"] = CPUOffloadPolicy()
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.offload_pinned)
         # 4-bit base weights (QLoRA) are frozen and packed with their quantization state;
         # they stay whole on every rank, everything else (adapters, norms, embeddings) is sharded.
         options["ignored_params"] = {p for p in module.parameters() if type(p).__name__ == "Params4bit"} or None
@@ -111,7 +145,7 @@ class FSDP(TrainingStrategy):
         return {"strategy": f"FSDP {layout.fsdp.sharding_strategy}", "shard_group": mesh_shape(layout)[1], "zero_stage": None}
 
     def fabric_strategy(self):
-        self._fabric_strategy = FSDP2FabricStrategy(self.layout, self.precision, self.backend)
+        self._fabric_strategy = FSDP2FabricStrategy(self.layout, self.precision, self.backend, offload_pinned=self.accelerator == "cuda")
         return self._fabric_strategy
 
     def setup(self, fabric, lm, fill: Fill, on_device: bool):
@@ -123,11 +157,22 @@ class FSDP(TrainingStrategy):
         return module, fabric.setup_optimizers(made["optimizer"]), made["lr_scheduler"]
 
     def replicas_in_step(self, lm) -> Optional[float]:
+        """The largest difference of shard checksums between replica groups (0.0 when the replicas are equal).
+
+        Each shard is summed in chunks (sum and 2-norm, accumulated in fp64 one chunk at a
+        time), so the check holds no copy of the shard; parameters FSDP does not shard
+        (4-bit bases) are whole and equal on every rank by construction and are skipped.
+        """
         mesh = self.fabric.strategy.device_mesh
         if mesh.shape[0] == 1:
             return None
+        sums = []
+        for p in lm.parameters():
+            if isinstance(p, DTensor):
+                for chunk in p.to_local().detach().reshape(-1).split(CHECKSUM_CHUNK):
+                    sums += [chunk.sum(dtype=torch.float64), torch.linalg.vector_norm(chunk, dtype=torch.float64)]
+        local = torch.stack(sums) if sums else torch.zeros(1, dtype=torch.float64, device=self.fabric.device)
         group = mesh.get_group("replicate")
-        local = torch.cat([p.to_local().detach().reshape(-1).double() for p in lm.parameters()])
         high, low = local.clone(), local.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
@@ -143,7 +188,7 @@ class FSDP(TrainingStrategy):
         return super().compute_view(layout, precision)
 
     @classmethod
-    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs) -> States:
+    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
         fsdp, shard = layout.fsdp, mesh_shape(layout)[1]
         mixed = precision.endswith("-mixed")
         low = element_size(compute_dtype(precision))

@@ -92,7 +92,7 @@ def test_two_ranks_match_one_process(tmp_path, reference, job, layout):
     run_cli(job, *COMMON, *JOBS[job][0], *flags, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", out)
     assert_same_training(reference(job), out, job, fractions)
     if layout == "NO_SHARD":
-        assert [r["replica_max_abs_diff"] for r in read_metrics(out) if "replica_max_abs_diff" in r] == [0.0]
+        assert [r["replica_checksum_spread"] for r in read_metrics(out) if "replica_checksum_spread" in r] == [0.0]
 
 
 @pytest.mark.parametrize(
@@ -167,7 +167,7 @@ def test_hybrid_shard_two_nodes_match_one_process(tmp_path, reference, job):
     assert all(node.returncode == 0 for node in nodes), logs[1][-3000:] + logs[0][-3000:]
     assert_same_training(reference(job), out, job, (0.5, 0.5, 0.5))
     # Replica groups (the two nodes) hold identical parameters after training.
-    assert [r["replica_max_abs_diff"] for r in read_metrics(out) if "replica_max_abs_diff" in r] == [0.0]
+    assert [r["replica_checksum_spread"] for r in read_metrics(out) if "replica_checksum_spread" in r] == [0.0]
     # Both nodes wrote their shards of one checkpoint, committed once.
     meta = (out / "checkpoints" / "step-00000004" / "meta.json").read_text()
     assert '"world_size": 4' in meta and len(list((out / "checkpoints" / "step-00000004" / "model").glob("*.distcp"))) == 4

@@ -137,3 +137,20 @@ def test_score_measures_exact_match(tmp_path):
     scores = [r["val_score"] for r in read_metrics(tmp_path) if "val_score" in r]
     assert len(scores) == 2 and all(0.0 <= s <= 1.0 for s in scores)
     assert scores[0] == 0.0  # a random model answers nothing right
+
+
+def test_bf16_true_keeps_rotary_frequencies_fp32(tmp_path, tiny_dir):
+    """bf16-true casts the module, buffers too; the rotary frequencies are recomputed in fp32 after the cast."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    result = finetune_lora(
+        data=TinyTasks(num_train=32, num_val=8), out_dir=tmp_path, precision="bf16-true", lora_r=4,
+        train=TrainArgs(global_batch_size=8, micro_batch_size=8, max_steps=1), eval=EvalArgs(interval=0, initial_validation=False),
+    )
+    rotary = [m for m in result.model.modules() if isinstance(m, LlamaRotaryEmbedding)]
+    expected = LlamaRotaryEmbedding(AutoConfig.from_pretrained(tiny_dir)).inv_freq
+    assert rotary and expected.dtype == torch.float32
+    for module in rotary:
+        assert module.inv_freq.dtype == torch.float32 and torch.equal(module.inv_freq, expected)
+    assert {p.dtype for n, p in result.model.named_parameters() if "lora_" not in n} == {torch.bfloat16}

@@ -113,3 +113,20 @@ def test_earlier_run_is_replaced_only_when_asked(tmp_path, capsys):
 def test_unreachable_hub_id_is_one_line(tmp_path, capsys):
     code, err = run_main(["finetune_full", "litft-test/not-a-real-model", *SMALL, "--out_dir", tmp_path / "o"], capsys)
     assert code == 2 and "could not load 'litft-test/not-a-real-model'" in err and len(err.splitlines()) == 1
+
+
+def test_batch_defaults_follow_the_world_size():
+    """--devices 8 alone: the default global batch 32 is rounded up to 8 x 8, and one line says so; a given one is kept."""
+    import inspect
+
+    from litft.config import TrainArgs
+    from litft.jobs import RunSpec, finetune_full
+
+    flags = inspect.signature(finetune_full).bind(devices=8)
+    flags.apply_defaults()
+    spec = RunSpec.from_flags("finetune_full", dict(flags.arguments))
+    note = spec.check()
+    assert spec.train.global_batch_size == 64 and spec.train.micro_batch_size == 8
+    assert note == "global batch 64 samples (--train.global_batch_size not given; the default 32 rounded up to a multiple of micro batch 8 x 8 ranks)"
+    assert TrainArgs(micro_batch_size=8).resolved(4) == (TrainArgs(micro_batch_size=8, global_batch_size=32), None)
+    assert TrainArgs(global_batch_size=24, micro_batch_size=4).resolved(8)[0].global_batch_size == 24  # given: kept, then checked

@@ -117,7 +117,7 @@ def test_peer_watch_names_a_frozen_rank_and_a_straggler():
 
     from torch.distributed import TCPStore
 
-    from litft.cluster import PeerWatch
+    from litft.watch import PeerWatch
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     watch = PeerWatch(rank=0, world_size=3, devices=2, timeout=0.5, store=store)
@@ -145,7 +145,7 @@ def test_peer_watch_ranks_judging_together_see_each_other_alive(capfd):
 
     from torch.distributed import TCPStore
 
-    from litft.cluster import PeerWatch
+    from litft.watch import PeerWatch
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     killed = []

@@ -105,13 +105,16 @@ def test_model_states_match_a_real_step(tiny_dir, quantize):
     from litft.model import load_config
 
     lora = LoraArgs(r=4, alpha=8, dropout=0.0, target_modules="all-linear", quantize=quantize)
-    lm, fill, _ = build_module(str(tiny_dir), "32-true", lora, TrainArgs(), 1, random_init=False, seed=0, device=torch.device("cpu"))
+    strategy = SingleDevice(Layout(), "cpu", "32-true", TrainArgs())
+    lm, fill, _ = build_module(
+        str(tiny_dir), "32-true", lora, TrainArgs(), 1, random_init=False, seed=0, device=torch.device("cpu"), strategy=strategy
+    )
     fill(lm)
     tokens = torch.randint(0, 300, (2, 16))
     optimizer = lm.configure_optimizers()["optimizer"]
     lm.training_step({"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(16).expand(2, -1)}).backward()
     optimizer.step()
-    held = SingleDevice(Layout(), "cpu", "32-true", TrainArgs()).state_bytes(lm, optimizer)
+    held = strategy.state_bytes(lm, optimizer)
 
     tensors = model_tensors(build_model(load_config(str(tiny_dir)), "32-true", lora, False), quantize)
     got = SingleDevice.memory_layout(tensors, Layout(), "32-true", TrainArgs())

@@ -68,3 +68,14 @@ def test_sample_log_writes_one_line_per_step(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "logs" / "rank-00000.jsonl").read_text().splitlines()]
     assert lines == [{"step": 1, "epoch": 0, "ids": [3, 1, 4]}, {"step": 2, "epoch": 0, "ids": [5, 9, 2]}]
     SampleLog(None).write(1, 0, [[1]])  # off: writes nothing, needs no folder
+
+
+def test_cuda_allocator_gets_expandable_segments_unless_configured():
+    from litft.device import cuda_allocator_defaults
+
+    env = {}
+    cuda_allocator_defaults(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    cuda_allocator_defaults(mine)
+    assert mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}

@@ -39,3 +39,11 @@ def test_validation_leaves_the_4bit_base_as_trained(tiny_dir):
     for name in grads:
         torch.testing.assert_close(grads_after[name], grads[name], rtol=0, atol=0, msg=name)
     assert nested and all("nested_absmax" in state for state in nested)  # -dq's nested statistics are still there
+
+
+def test_qlora_checkpoints_blocks_without_reentrant_autograd(tiny_dir):
+    """peft turns checkpointing on again for 4-bit bases; it must stay the non-reentrant variant litft asks for."""
+    lora = LoraArgs(r=4, alpha=8, dropout=0.0, target_modules="all-linear", quantize="bnb.nf4")
+    model = build_model(load_config(str(tiny_dir)), "32-true", lora, True, source=str(tiny_dir), device=torch.device("cpu"))
+    checkpointed = [m._gradient_checkpointing_func for m in model.modules() if getattr(m, "_gradient_checkpointing_func", None) is not None]
+    assert len(checkpointed) >= 4 and all(f.keywords.get("use_reentrant") is False for f in checkpointed)

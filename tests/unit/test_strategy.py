@@ -65,3 +65,21 @@ def test_fsdp_mesh_is_replicate_by_shard(kind, devices, nodes, shard_size, shape
     layout = Layout("fsdp", devices, nodes, FSDPArgs(sharding_strategy=kind, shard_size=shard_size), DeepSpeedArgs())
     checked_strategy_class(layout, "cpu", "32-true")
     assert mesh_shape(layout) == shape
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_generated_zero_config_overlaps_communication_in_buckets_sized_to_the_model(stage):
+    zero = deepspeed_config(DeepSpeedArgs(stage=stage), TRAIN, 8, "bf16-mixed", hidden_size=4096)["zero_optimization"]
+    assert zero["overlap_comm"] is True and zero["contiguous_gradients"] is True
+    assert zero["reduce_bucket_size"] == 4096**2  # 32 MiB in bf16, where DeepSpeed's default is 1 GB
+    if stage == 3:
+        assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 4096**2) and zero["stage3_param_persistence_threshold"] == 40960
+    else:
+        assert zero["allgather_bucket_size"] == 4096**2
+
+
+def test_user_zero_config_keeps_its_values_and_fills_auto(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": False, "reduce_bucket_size": "auto"}}))
+    zero = deepspeed_config(DeepSpeedArgs(config=path), TRAIN, 8, "bf16-mixed", hidden_size=1024)["zero_optimization"]
+    assert zero["overlap_comm"] is False and zero["reduce_bucket_size"] == 1024**2 and zero["allgather_bucket_size"] == 1024**2

@@ -1,0 +1,93 @@
+"""Batches reach attention without an S x S mask: padded rows keep SDPA's causal kernel, packed rows are kept apart by litft_segments."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from litft.attention import SEGMENTS, choose
+from litft.config import TrainArgs
+from litft.data.base import IGNORE_INDEX, collate, pack
+from litft.errors import LitftError
+from litft.model import CausalLM, load_causal_lm
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """Every call of torch's SDPA: its mask, is_causal and enable_gqa."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        calls.append({"mask": attn_mask, "is_causal": is_causal, "gqa": enable_gqa, "length": query.shape[-2]})
+        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def tiny_lm(tiny_dir, attention: str) -> CausalLM:
+    model = load_causal_lm(str(tiny_dir), random_init=False, dtype=torch.float32)
+    model.set_attn_implementation(attention)
+    return CausalLM(model, TrainArgs()).train()
+
+
+def samples(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(5, 300, (n,), generator=generator)
+        out.append({"input_ids": ids, "labels": ids.clone(), "id": torch.tensor(i)})
+    return out
+
+
+def test_padded_rows_keep_the_causal_kernel_and_native_gqa(tiny_dir, sdpa_calls):
+    """Right padding whose positions count on is not mistaken for packing: no 4-D mask, is_causal, K/V not repeated."""
+    lm = tiny_lm(tiny_dir, "sdpa")
+    batch = collate(samples([5, 8, 3]), pad_id=0)
+    assert batch["position_ids"][0].tolist() == list(range(8))
+    padded = lm(batch["input_ids"], batch["position_ids"])
+    assert len(sdpa_calls) == 4 and all(c["mask"] is None and c["is_causal"] and c["gqa"] for c in sdpa_calls)
+    for row, sample in enumerate(samples([5, 8, 3])):  # the real tokens' logits are those of the sample alone
+        alone = lm(sample["input_ids"][None])
+        torch.testing.assert_close(padded[row, : len(sample["input_ids"])], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_rows_are_kept_apart_without_a_mask(tiny_dir, sdpa_calls):
+    """One causal SDPA call per packed sample on the CPU; logits, loss and gradients equal each sample trained alone."""
+    lengths = [5, 9, 4, 7]
+    lm = tiny_lm(tiny_dir, SEGMENTS)
+    packed = collate(pack(samples(lengths), max_length=32), pad_id=0)
+    assert packed["input_ids"].shape == (1, 25)
+    loss = lm.loss_sum(packed)
+    assert [c["length"] for c in sdpa_calls] == lengths * 4 and all(c["mask"] is None and c["is_causal"] for c in sdpa_calls)
+    loss.backward()
+    packed_grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
+
+    lm.zero_grad()
+    reference = tiny_lm(tiny_dir, "sdpa")
+    expected = 0.0
+    for i, sample in enumerate(samples(lengths)):
+        single = collate([sample], pad_id=0)
+        if i:  # pack() does not train a sample's first token on the sample before it
+            single["labels"][0, 0] = IGNORE_INDEX
+        expected = expected + reference.loss_sum(single)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_auto_keeps_packed_samples_apart_on_the_cpu():
+    assert choose("auto", "cpu") == SEGMENTS
+    assert choose("sdpa", "cpu") == "sdpa"
+    with pytest.raises(LitftError, match="--attn_implementation flash_attention_3 is unknown"):
+        choose("flash_attention_3", "cpu")
+
+
+def test_segments_attention_without_position_ids_is_plain_causal(tiny_dir):
+    """transformers makes (1, S) position ids when none are given; every row of the batch is one sample then."""
+    ids = torch.randint(0, 300, (3, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = tiny_lm(tiny_dir, "sdpa").model(ids).logits
+        got = tiny_lm(tiny_dir, SEGMENTS).model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
