@@ -30,7 +30,6 @@ import csv
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -85,9 +84,11 @@ def smollm2_folder(work: Path) -> Path:
     gguf = next(package.rglob("*.gguf"))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    del model.config.quantization_config
+    del loaded.config.quantization_config
+    model = AutoModelForCausalLM.from_config(loaded.config)
+    model.load_state_dict(loaded.state_dict())
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -107,8 +108,14 @@ def order(args, num_samples: int) -> list:
     return [idx for step in range(args.steps) for idx in sampler.micro_batches(0, step)]
 
 
-def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+def run_measured(command: list, work: Path, env: dict):
+    """Run a side in its own process; its exit code, peak resident memory (GB, as the kernel counted it), stdout and stderr."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, cwd=work, env=env, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        return process.returncode, usage.ru_maxrss * 1024 / 1e9, out.read(), err.read()
 
 
 # ---------------------------------------------------------------- litft
@@ -141,16 +148,16 @@ def litft_side(args, job: str, model: Path, work: Path, change: str) -> dict:
     if change == "compiled":
         flags += ["--compile", "true"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    done = subprocess.run([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], cwd=work, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"litft {change} exited {done.returncode}: {done.stderr[-2000:]}")
+    code, peak_gb, _, stderr = run_measured([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], work, env)
+    if code != 0:
+        raise SystemExit(f"litft {change} exited {code}: {stderr[-2000:]}")
     with open(out / "logs" / "csv" / "metrics.csv") as f:
         rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("tokens_per_s")]
     # Each step is its own log window: its tokens (the cumulative count's step) over its tokens/s are its seconds.
     tokens = [b["tokens"] - a for a, b in zip([0.0] + [r["tokens"] for r in rows], rows)]
     steady = [(t, t / r["tokens_per_s"]) for t, r in zip(tokens, rows) if r["step"] > args.skip]
     return {
-        "tokens_per_s": sum(t for t, _ in steady) / sum(s for _, s in steady), "peak_gb": max(r["peak_memory_gb"] for r in rows),
+        "tokens_per_s": sum(t for t, _ in steady) / sum(s for _, s in steady), "peak_gb": peak_gb,
         "steps": len(rows),
     }
 
@@ -214,17 +221,17 @@ def trainer_side(args, job: str, model_path: Path, work: Path, best: bool) -> di
     stamps = [started, *clock.stamps]
     seconds = [b - a for a, b in zip(stamps, stamps[1:])]
     tokens, times = per_step[args.skip :], seconds[args.skip :]
-    return {"tokens_per_s": sum(tokens) / sum(times), "peak_gb": peak_rss_gb(), "steps": len(seconds)}
+    return {"tokens_per_s": sum(tokens) / sum(times), "steps": len(seconds)}
 
 
 def run_trainer_side(args, job: str, model: Path, work: Path, best: bool) -> dict:
     command = [sys.executable, __file__, *sys.argv[1:], "--work_dir", str(work), "--_trainer_side", json.dumps([job, str(model), best])]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    line = next((line for line in done.stdout.splitlines() if line.startswith(RESULT)), None)
+    code, peak_gb, stdout, stderr = run_measured(command, work, env)
+    line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
     if line is None:
-        raise SystemExit(f"Trainer side exited {done.returncode}: {done.stderr[-2000:]}")
-    return json.loads(line[len(RESULT):])
+        raise SystemExit(f"Trainer side exited {code}: {stderr[-2000:]}")
+    return {**json.loads(line[len(RESULT):]), "peak_gb": peak_gb}
 
 
 def main(argv=None) -> None:
