@@ -1,11 +1,13 @@
 """Where a run's metrics go (CSV and TensorBoard under out_dir/logs), and the library noise kept off its screen."""
 
 import csv
+import logging
 import os
 import warnings
 from pathlib import Path
 from typing import List, Optional
 
+import lightning_utilities.core.rank_zero as lightning_rank_zero
 import transformers
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
@@ -57,6 +59,15 @@ def continue_logs(fabric, step: int) -> None:
             logger.resumed_step = step
 
 
+class KnownNoise(logging.Filter):
+    """Drops Lightning's process-group banners (one per rank, and a framed one); litft's own line gives the world size."""
+
+    MESSAGES = ("Initializing distributed: GLOBAL_RANK", "All distributed processes registered")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.MESSAGES)
+
+
 def quiet_libraries() -> None:
     """Silence progress bars and known advice that libraries print on every rank, when a run starts."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,3 +77,9 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*Experiment logs directory .* exists and is not empty.*")
     # DCP says this on every single-process save and load.
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+    # litft joins srun's tasks itself (litft/cluster.py), so Lightning's advice to prepend srun does not apply.
+    warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system but is not used.*")
+    # Lightning's rank-zero messages go to whichever logger its last imported package installed.
+    for logger in (logging.getLogger("lightning.fabric.utilities.distributed"), lightning_rank_zero.log):
+        if not any(isinstance(f, KnownNoise) for f in logger.filters):
+            logger.addFilter(KnownNoise())

@@ -120,7 +120,7 @@ class Trainer:
         mean_tokens = sum(len(s["input_ids"]) for s in data.train) / len(data.train)
         self.total_steps = plan_steps(spec.train, len(data.train), mean_tokens)
         self.watch.at(0, "building the model")
-        fabric.seed_everything(spec.seed)
+        fabric.seed_everything(spec.seed, verbose=False)
         attention = choose_attention(spec.attn_implementation, fabric.device.type)
         fabric.print(describe_attention(attention, fabric.device.type))
         self.lm, fill, on_device = build_module(
