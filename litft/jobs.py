@@ -10,10 +10,9 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Optional
 
-import litft.data
 from litft.checkpoint.format import RUN_CONFIG
 from litft.config import EvalArgs, Layout, LoraArgs, TrainArgs
-from litft.data.base import DataModule
+from litft.data.base import DataModule, data_config
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
 from litft.flags import DATA, EVAL, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, Flag, command
@@ -68,6 +67,11 @@ class RunSpec:
         self.train, note = self.train.resolved(self.layout.world_size)
         self.train.check(self.layout.world_size)
         self.eval.check(instruction_data=hasattr(self.data, "prompted"))
+        self.data.check()
+        if getattr(self.data, "streaming", False) and self.train.max_steps is None:
+            raise LitftError("--data.streaming true needs --train.max_steps: a stream's length is not known in advance")
+        if not 0 <= self.seed < 2**32:
+            raise LitftError(f"--seed must be in [0, 2**32) (what numpy and torch accept), got {self.seed}")
         if self.lora is not None:
             self.lora.check()
         if self.resume is not None and self.overwrite:
@@ -97,9 +101,7 @@ def config_of(values: dict) -> dict:
     out = {}
     for key, value in values.items():
         if isinstance(value, DataModule):
-            name = type(value).__name__
-            module = "litft.data" if getattr(litft.data, name, None) is type(value) else type(value).__module__
-            out[key] = {"class_path": f"{module}.{name}", "init_args": value.config_dict()}
+            out[key] = data_config(value)
         else:
             out[key] = _plain(asdict(value) if is_dataclass(value) else value)
     return out

@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
+import datasets
 import lightning_utilities.core.rank_zero as lightning_rank_zero
 import transformers
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
@@ -73,6 +74,9 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    # datasets draws a bar for every split it reads and every map; litft says in one line what it tokenizes.
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
     # Lightning's CSV logger says this whenever logs/ has files; ContinuingCSVLogger keeps them on purpose.
     warnings.filterwarnings("ignore", message=".*Experiment logs directory .* exists and is not empty.*")
     # DCP says this on every single-process save and load.

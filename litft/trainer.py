@@ -23,7 +23,8 @@ from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
 from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.checkpoint.format import RUN_CONFIG
 from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, leave_process_group, preflight, restarted
-from litft.data.base import PreparedData, SampleOrder, StepBatches
+from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
+from litft.data.stream import StreamSource
 from litft.device import cuda_allocator_defaults, param_dtype, resolve_accelerator, resolve_precision
 from litft.errors import LitftError
 from litft.flops import StepFlops
@@ -112,13 +113,14 @@ class Trainer:
         on_rank_zero(fabric, self._record_config, "writing the run's config")
         check_shared_out_dir(fabric, spec.out_dir)
         data: PreparedData = self.data
-        if len(data.train) < spec.train.global_batch_size:
+        streamed = isinstance(data.train, StreamSource)
+        num_train = 0 if streamed else len(data.train)  # a stream's length is not known
+        if not streamed and num_train < spec.train.global_batch_size:
             raise LitftError(
-                f"the training data has {len(data.train)} samples, fewer than one global batch ({spec.train.global_batch_size}); "
+                f"the training data has {num_train} samples, fewer than one global batch ({spec.train.global_batch_size}); "
                 "add data or lower --train.global_batch_size"
             )
-        mean_tokens = sum(len(s["input_ids"]) for s in data.train) / len(data.train)
-        self.total_steps = plan_steps(spec.train, len(data.train), mean_tokens)
+        self.total_steps = spec.train.max_steps if streamed else plan_steps(spec.train, num_train, mean_length(data.train))
         self.watch.at(0, "building the model")
         fabric.seed_everything(spec.seed, verbose=False)
         attention = choose_attention(spec.attn_implementation, fabric.device.type)
@@ -133,10 +135,10 @@ class Trainer:
         fabric.print(
             f"{spec.job}: {sum(self.strategy.numel(p) for p in model.parameters()):,} parameters, "
             f"{sum(self.strategy.numel(p) for p in model.parameters() if p.requires_grad):,} trained; "
-            f"{len(data.train)} train / {len(data.val)} val samples; world size {fabric.world_size}; precision {self.precision}"
+            f"{'streamed' if streamed else num_train} train / {len(data.val)} val samples; world size {fabric.world_size}; precision {self.precision}"
         )
         self.checkpointer = Checkpointer(
-            fabric, self.strategy, self.lm, self.optimizer, self.scheduler, spec.out_dir, spec.train, self._meta(len(data.train)), spec.recorded,
+            fabric, self.strategy, self.lm, self.optimizer, self.scheduler, spec.out_dir, spec.train, self._meta(num_train), spec.recorded,
         )
         self.watch.at(0, "resuming")
         position = self.checkpointer.resume(resume_from)
@@ -146,8 +148,12 @@ class Trainer:
             fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
         self.start_step = self.stops.start_step = self.state.step
         train = spec.train
-        self.order = SampleOrder(len(data.train), train.global_batch_size, train.micro_batch_size, fabric.global_rank, fabric.world_size, spec.seed)
-        self.batches = StepBatches(data.train, self.order, self.tokenizer.pad_token_id, pin=fabric.device.type == "cuda")
+        rank, world, pad, pin = fabric.global_rank, fabric.world_size, self.tokenizer.pad_token_id, fabric.device.type == "cuda"
+        if streamed:
+            self.batches = data.train.step_batches(train.global_batch_size, train.micro_batch_size, rank, world, pad, pin)
+        else:
+            order = SampleOrder(num_train, train.global_batch_size, train.micro_batch_size, rank, world, spec.seed)
+            self.batches = StepBatches(data.train, order, pad, pin=pin)
         self.cadence = Cadence(self.total_steps, spec.eval, train.save_interval, train.max_tokens)
         self.flops = StepFlops.for_run(self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print)
         self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step)
