@@ -8,14 +8,14 @@ LoRA adapters on a frozen, possibly 4-bit base), where the first weights come fr
 import shutil
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from litft.checkpoint.format import RUN_CONFIG
 from litft.config import EvalArgs, Layout, LoraArgs, TrainArgs
 from litft.data.base import DataModule, data_config
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
-from litft.flags import DATA, EVAL, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, Flag, command
+from litft.flags import DATA, EVAL, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, WATCHING, Flag, command
 from litft.trainer import RunResult, run_job
 
 @dataclass
@@ -38,6 +38,8 @@ class RunSpec:
     random_init: bool = False
     overwrite: bool = False
     resume: Optional[str] = None
+    loggers: Tuple[str, ...] = ("tensorboard",)
+    profile: bool = False
     recorded: dict = field(default_factory=dict)  # the flags as given: run_config.yaml, reusable with --config
 
     @classmethod
@@ -52,7 +54,8 @@ class RunSpec:
         common = dict(
             job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
             accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
-            lora=lora, overwrite=flags["overwrite"], resume=flags["resume"],
+            lora=lora, overwrite=flags["overwrite"], resume=flags["resume"], profile=flags["profile"],
+            loggers=(flags["logger_name"],) if isinstance(flags["logger_name"], str) else tuple(flags["logger_name"]),
             recorded=config_of({k: v for k, v in flags.items() if k not in ("overwrite", "resume")}),
         )
         return cls(**{**common, **job_fields})
@@ -121,7 +124,7 @@ def _job_flags(default_out: str, train: TrainArgs, validation: EvalArgs, middle=
     out = OUT_DIR.but(default=Path(default_out), help=help.get("out_dir", OUT_DIR.help))
     tail = [TRAIN.but(default=train), EVAL.but(default=validation, help=help.get("eval", EVAL.help))]
     seeded = [SEED.but(help=help["seed"]) if f is SEED and "seed" in help else f for f in RUN_CONTROL]
-    return [*head, out, *PARALLEL, *MODEL_OPTIONS, *middle, *tail, *seeded]
+    return [*head, out, *PARALLEL, *MODEL_OPTIONS, *middle, *tail, *WATCHING, *seeded]
 
 
 FINETUNE_TRAIN = dict(micro_batch_size=8, warmup_steps=20)

@@ -125,6 +125,7 @@ def train_step(trainer: "Trainer", batch: StepBatch) -> None:
     # The loss and the norm stay on the device until a log step reads them.
     metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer)
     state.history.append(metrics)
+    trainer.profiler.after(state.step)
 
 
 def validate_and_log(trainer: "Trainer", scoring: bool) -> None:
@@ -148,3 +149,4 @@ def save(trainer: "Trainer") -> None:
     trainer.watch.at(trainer.state.step, "saving a checkpoint")
     path = trainer.checkpointer.save(trainer.state.state_dict())
     trainer.meter.progress.message(f"step {trainer.state.step}: checkpoint {path}")
+    trainer.write_plot()

@@ -28,10 +28,12 @@ from litft.data.stream import StreamSource
 from litft.device import cuda_allocator_defaults, param_dtype, resolve_accelerator, resolve_precision
 from litft.errors import LitftError
 from litft.flops import StepFlops
-from litft.logs import continue_logs, make_loggers, quiet_libraries
+from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
 from litft.model import keep_rotary_fp32, load_tokenizer, resolve_model
+from litft.plot import plot_losses
+from litft.profiling import StepProfiler
 from litft.ranks import on_rank_zero, rank_zero_first
 from litft.strategies import checked_strategy_class
 from litft.watch import PeerWatch, StopSignals
@@ -88,7 +90,7 @@ class Trainer:
         strategy = checked_strategy_class(layout, accelerator, precision)(layout, accelerator, precision, spec.train)
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
-            precision=precision, loggers=make_loggers(spec.out_dir),
+            precision=precision, loggers=make_loggers(spec.out_dir, spec.loggers),
         )
         join_torchrun_group(strategy.backend, accelerator)
         fabric.launch()
@@ -111,6 +113,7 @@ class Trainer:
         self.watch.at(0, "loading the tokenizer and data")
         source, self.tokenizer, self.data, resume_from = rank_zero_first(fabric, load, "loading the tokenizer and data")
         on_rank_zero(fabric, self._record_config, "writing the run's config")
+        log_config(fabric, spec.recorded)
         check_shared_out_dir(fabric, spec.out_dir)
         data: PreparedData = self.data
         streamed = isinstance(data.train, StreamSource)
@@ -159,6 +162,15 @@ class Trainer:
         self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step)
         samples = spec.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
         self.sample_log = SampleLog(samples if train.record_sample_ids else None)
+        profiles = spec.out_dir / "logs" / "profile"
+        self.profiler = StepProfiler(spec.profile, profiles, fabric.global_rank, fabric.device, self.start_step, self.total_steps, self.meter.progress.message)
+        self.profiler.after(self.start_step)
+
+    def write_plot(self) -> None:
+        """out_dir/logs/loss.png from the CSV log (rank 0): at every checkpoint and at the end."""
+        if self.fabric.is_global_zero:
+            logs = self.spec.out_dir / "logs"
+            plot_losses(logs / "csv" / "metrics.csv", logs / "loss.png")
 
     def _record_config(self) -> None:
         self.spec.out_dir.mkdir(parents=True, exist_ok=True)
@@ -183,12 +195,14 @@ class Trainer:
                 fit(self)
             finally:
                 self.batches.close()
+                self.profiler.stop()
             return self.finish(started)
 
     def finish(self, started: float) -> RunResult:
         """The replica check, the export of the final checkpoint, and the run's last lines."""
         spec, fabric, state = self.spec, self.fabric, self.state
         model = self.lm.model
+        self.write_plot()
         if state.stopped_by:
             last = self.checkpointer.last_path
             saved = f"checkpoint {last}" if last else "no checkpoint (no step was trained)"
@@ -227,4 +241,5 @@ def run_job(spec: "RunSpec") -> RunResult:
         failed = False
         return result
     finally:
+        close_loggers(trainer.fabric, failed)
         leave_process_group(trainer.fabric, failed)
