@@ -8,6 +8,7 @@ memory-mapped, a row at a time, as the sample order asks for it. Streamed data
 (``stream.py``) is tokenized on the fly.
 """
 
+import csv
 import os
 import shutil
 import sys
@@ -35,6 +36,10 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 MAP_BATCH = 1000  # records per datasets.map call
 BLOCK_BATCH = 10_000  # text documents joined per cut; a block's worth of tail is dropped at the end of each
 PARALLEL_FROM = 20_000  # records from which tokenizing is worth starting processes for
+# Declared, not inferred: an empty split (no validation records, no scoring prompts for text) still saves and loads.
+TOKENS = datasets.Features({name: datasets.List(datasets.Value("int64")) for name in ("input_ids", "labels")} | {"length": datasets.Value("int64")})
+PACKED = datasets.Features({**TOKENS, "position_ids": datasets.List(datasets.Value("int64"))})
+PROMPTS = datasets.Features({"prompt_ids": datasets.List(datasets.Value("int64")), "reference": datasets.Value("string")})
 
 
 @dataclass
@@ -112,6 +117,15 @@ def rows_of(batch: Dict[str, list]) -> List[dict]:
     return [dict(zip(batch, values)) for values in zip(*batch.values())]
 
 
+def options(builder: str, files: List[Path]) -> dict:
+    """CSV cells are read as text: otherwise an answer "42" becomes a number and an empty input a missing value."""
+    if builder != "csv":
+        return {}
+    with open(files[0], newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return {"features": datasets.Features({name: datasets.Value("string") for name in header}), "keep_default_na": False}
+
+
 def loaded_by_datasets(load, what: str):
     """Call a ``datasets`` loader; what it says about bad or missing data becomes one line."""
     try:
@@ -181,13 +195,14 @@ class HF(InstructionData):
             builder = BUILDERS.get(local.suffix.lower())
             if builder is None:
                 raise LitftError(f"--data.path {local} is not a {', '.join(BUILDERS)} file; convert it or point at a folder of them")
-            args, kwargs = (builder,), {"data_files": str(local)}
+            args, kwargs = (builder,), {"data_files": str(local), **options(builder, [local])}
         elif local.is_dir():
-            found = sorted({BUILDERS[p.suffix.lower()] for p in local.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS})
+            files = sorted(p for p in local.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS)
+            found = sorted({BUILDERS[p.suffix.lower()] for p in files})
             if len(found) != 1:
                 detail = "none" if not found else f"several kinds ({', '.join(found)})"
                 raise LitftError(f"folder {local} holds {detail} of {', '.join(BUILDERS)} files; it needs files of one kind")
-            args, kwargs = (found[0],), {"data_dir": str(local)}
+            args, kwargs = (found[0],), {"data_dir": str(local), **options(found[0], files)}
         elif self.path.startswith((".", "/", "~")) or Path(self.path).suffix.lower() in BUILDERS:
             raise LitftError(f"--data.path {self.path} does not exist; pass an existing file or folder, or a hub dataset id")
         else:
@@ -277,24 +292,29 @@ class HF(InstructionData):
         staging.mkdir(parents=True)
         print(f"tokenizing {len(train):,} + {len(val):,} records of {self.path} ({layout.form}) in {procs} process(es), once", file=sys.stderr, flush=True)
 
-        def mapped(table, function, name, parallel=True, size=MAP_BATCH, with_indices=False, **kwargs):
+        def mapped(table, function, name, features, parallel=True, size=MAP_BATCH, with_indices=False, **kwargs):
+            if not len(table):  # datasets maps an empty table to one without columns
+                return datasets.Dataset.from_dict({column: [] for column in features}, features=features)
             workers = procs if parallel and procs > 1 and len(table) > 1 else None
             return table.map(
                 function, batched=True, batch_size=size, with_indices=with_indices, remove_columns=table.column_names, num_proc=workers,
-                fn_kwargs=kwargs, cache_file_name=str(staging / f"{name}.arrow"), new_fingerprint=f"{key}-{name}",
+                fn_kwargs=kwargs, cache_file_name=str(staging / f"{name}.arrow"), new_fingerprint=f"{key}-{name}", features=features,
             )
 
         parts = {}
         for name, table in (("train", train), ("val", val)):
-            tokens = mapped(table, self.encode_batch, name, with_indices=True, tokenizer=tokenizer, layout=layout, max_len=max_len)
+            tokens = mapped(table, self.encode_batch, name, TOKENS, with_indices=True, tokenizer=tokenizer, layout=layout, max_len=max_len)
             text = layout.form == "text"
+            rows = TOKENS if text else PACKED
             joined = text or self.packing
-            parts[name] = mapped(tokens, self.join_batch, f"{name}-rows", parallel=False, size=BLOCK_BATCH, max_len=max_len, text=text) if joined else tokens
+            parts[name] = mapped(tokens, self.join_batch, f"{name}-rows", rows, parallel=False, size=BLOCK_BATCH, max_len=max_len, text=text) if joined else tokens
         if not len(parts["train"]):
             raise LitftError(f"dataset {self.path!r} holds no usable training sample (too short for a block, or nothing to train on after truncation)")
         prompts = val if layout.form != "text" else val.select([])
-        parts["scoring"] = mapped(prompts, self.prompts_batch, "scoring", tokenizer=tokenizer, layout=layout)
+        parts["scoring"] = mapped(prompts, self.prompts_batch, "scoring", PROMPTS, tokenizer=tokenizer, layout=layout)
         partial = cache.parent / f".{cache.name}.partial{os.getpid()}"
-        datasets.DatasetDict(parts).save_to_disk(str(partial))
+        # An empty split needs one shard asked for: saved as none, it would not load back.
+        empty = {name: 1 for name, part in parts.items() if not len(part)}
+        datasets.DatasetDict(parts).save_to_disk(str(partial), num_shards=empty)
         os.replace(partial, cache)
         shutil.rmtree(staging, ignore_errors=True)
