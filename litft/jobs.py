@@ -67,6 +67,7 @@ class RunSpec:
 
         A global batch left out is derived from the world size; the line saying so is returned.
         """
+        self.layout.check()  # the world size comes first: the batch checks divide by it
         if self.train.micro_batch_size < 1:
             raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
         self.train, note = self.train.resolved(self.layout.world_size)
