@@ -5,6 +5,7 @@ imported when a run asks for them. Each keeps the id of its run in
 ``out_dir/logs``, so a resumed run logs into the run it continues.
 """
 
+import importlib
 import os
 import sys
 import time
@@ -27,6 +28,14 @@ def flat(params: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def optional_package(name: str, extra: str):
+    """An optional extra, imported when a run asks for it; if absent, one line that says what to install."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise LitftError(f"--logger_name {extra} needs the {name.split('.')[0]} package: pip install 'litft[{extra}]'") from None
 
 
 class Tracker(Logger):
@@ -68,11 +77,7 @@ class WandbTracker(Tracker):
 
     def __init__(self, out_dir: Path):
         super().__init__(out_dir)
-        try:
-            import wandb
-        except ImportError:
-            raise LitftError("--logger_name wandb needs the wandb package: pip install 'litft[wandb]'") from None
-        self.wandb = wandb
+        self.wandb = optional_package("wandb", self.kind)
         self.run = None
 
     def start(self) -> str:
@@ -115,12 +120,8 @@ class MLflowTracker(Tracker):
 
     def __init__(self, out_dir: Path):
         super().__init__(out_dir)
-        try:
-            from mlflow.entities import Metric, Param
-            from mlflow.tracking import MlflowClient
-        except ImportError:
-            raise LitftError("--logger_name mlflow needs the mlflow package: pip install 'litft[mlflow]'") from None
-        self.Metric, self.Param, self.Client = Metric, Param, MlflowClient
+        entities, tracking = optional_package("mlflow.entities", self.kind), optional_package("mlflow.tracking", self.kind)
+        self.Metric, self.Param, self.Client = entities.Metric, entities.Param, tracking.MlflowClient
         self._client = None
 
     @property
