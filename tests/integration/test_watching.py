@@ -114,22 +114,22 @@ def source(path, **init_args):
 
 
 def test_mix_weights_show_in_the_sample_ids_and_the_screen_is_quiet(tmp_path, tiny_dir):
-    """Two sources of 40 and 32 samples weighted 1:3: an epoch of 72 takes 18 and 54 of them. Also a normal run's stderr holds litft's lines only."""
+    """Two sources of 20 and 12 samples weighted 1:3: an epoch of 32 takes 8 and 24 of them. Also a normal run's stderr holds litft's lines only."""
     config = tmp_path / "mix.yaml"
-    sources = [source(parquet(tmp_path / "add.parquet", ALPACA)), source(parquet(tmp_path / "count.parquet", COMPLETION))]
+    sources = [source(parquet(tmp_path / "add.parquet", ALPACA[:20])), source(parquet(tmp_path / "count.parquet", COMPLETION[:12]))]
     config.write_text(yaml.safe_dump({"data": {"class_path": "litft.data.Mix", "init_args": {"sources": sources, "weights": [1, 3]}}}))
     out = tmp_path / "run"
     proc = run_cli(
-        "finetune_full", "--config", config, "--out_dir", out, *SMALL_TRAIN, "--train.max_steps", "9", "--train.record_sample_ids", "true",
+        "finetune_full", "--config", config, "--out_dir", out, *SMALL_TRAIN, "--train.max_steps", "4", "--train.record_sample_ids", "true",
         "--eval.initial_validation", "false", "--eval.final_validation", "false", "--logger_name", "csv",
     )
     rows = [json.loads(line) for line in (out / "logs" / "samples" / "rank-00000.jsonl").read_text().splitlines()]
     ids = [i for row in rows for i in row["ids"]]
-    assert len(ids) == 72 and len(set(ids)) < 72  # the smaller source repeats
-    assert Counter("add" if i < len(ALPACA) else "count" for i in ids) == {"add": 18, "count": 54}
-    assert len({i for i in ids if i < len(ALPACA)}) == 18  # subsampled without repeats
+    assert len(ids) == 32 and len(set(ids)) < 32  # the smaller source repeats
+    assert Counter("add" if i < 20 else "count" for i in ids) == {"add": 8, "count": 24}
+    assert len({i for i in ids if i < 20}) == 8  # subsampled without repeats
     lines = proc.stderr.splitlines()
-    litft_lines = r"(tokenizing \d+ \+ 0 records of .* once$|step \d+/9 \| loss |step 9: checkpoint )"
+    litft_lines = r"(tokenizing \d+ \+ 0 records of .* once$|step \d+/4 \| loss |step 4: checkpoint )"
     assert lines and all(re.match(litft_lines, line) for line in lines), proc.stderr
     assert not (out / "logs" / "tensorboard").exists() and (out / "logs" / "loss.png").is_file()
 
