@@ -1,15 +1,23 @@
-"""``litft <command> ...``: each subcommand is a function; its signature is the CLI and the YAML schema."""
+"""``litft <command> ...``: each subcommand is a function; its signature is the CLI and the YAML schema.
 
+The program quiets one library before importing the rest: bitsandbytes, imported
+by peft, logs advice to install an optional kernel package (which fetches kernels
+from the hub) on every process of every run, and that happens during the imports.
+"""
+
+import logging
 import re
 import sys
 
-from jsonargparse import CLI, ArgumentParser, set_parsing_settings
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-import litft.data  # noqa: F401  (registers the --data choices)
-from litft.checkpoint.convert import convert
-from litft.errors import LitftError
-from litft.estimate import estimate
-from litft.jobs import JOBS
+from jsonargparse import CLI, ArgumentParser, set_parsing_settings  # noqa: E402
+
+import litft.data  # noqa: E402,F401  (registers the --data choices)
+from litft.checkpoint.convert import convert  # noqa: E402
+from litft.errors import LitftError  # noqa: E402
+from litft.estimate import estimate  # noqa: E402
+from litft.jobs import JOBS  # noqa: E402
 
 
 def parser_jobs() -> dict:

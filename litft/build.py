@@ -46,14 +46,23 @@ def build_model(
     if liger:
         use_liger_kernels(model)
     with warnings.catch_warnings():
-        # peft asks transformers 5 for is_gradient_checkpointing, which it has renamed; advice for peft, not the user.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        # peft uses transformers' old names for checkpointing (is_gradient_checkpointing, gradient_checkpointing_enable),
+        # which transformers 5 renamed; advice for peft, not the user.
+        warnings.filterwarnings("ignore", message=".*(is_gradient_checkpointing|gradient_checkpointing_enable).*", category=FutureWarning)
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         if lora is not None:
             model = apply_lora(model, lora, gradient_checkpointing)
     fuse_target_loss(model.get_base_model() if lora is not None else model)
     return model
+
+
+def enable_checkpointing(model) -> None:
+    """Recompute each block in the backward; transformers 5 calls it activation checkpointing, older releases gradient checkpointing."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def use_liger_kernels(model) -> None:

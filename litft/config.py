@@ -5,6 +5,7 @@ before any process starts or any file is touched; the jobs and ``litft
 estimate`` build the same groups and run the same checks.
 """
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import List, Literal, Optional, Tuple, Union
@@ -20,10 +21,23 @@ QUANTIZE_CHOICES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq")
 DEFAULT_GLOBAL_BATCH_SIZE = 32
 
 
-def at_least(value: Optional[int], minimum: int, flag: str, nullable: str = "") -> None:
-    """One line for an integer flag below its minimum; ``nullable`` says what null means, where null is allowed."""
-    if value is not None and value < minimum:
+def at_least(value: Optional[float], minimum: float, flag: str, nullable: str = "") -> None:
+    """One line for a flag below its minimum (or not a finite number); ``nullable`` says what null means, where null is allowed."""
+    if value is not None and not (value >= minimum and math.isfinite(value)):
         raise LitftError(f"{flag} must be at least {minimum}{f' (or null {nullable})' if nullable else ''}, got {value}")
+
+
+def positive(value: Optional[float], flag: str, what: str = "", nullable: str = "") -> None:
+    """One line for a flag that must be a finite number above zero; ``what`` says what it is."""
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        detail = f" ({what})" if what else ""
+        raise LitftError(f"{flag} must be positive{detail}{f' or null {nullable}' if nullable else ''}, got {value}")
+
+
+def fraction(value: float, flag: str, what: str) -> None:
+    """One line for a flag that must lie in [0, 1)."""
+    if not 0 <= value < 1:
+        raise LitftError(f"{flag} is {what} in [0, 1), got {value}")
 
 
 @dataclass
@@ -96,8 +110,16 @@ class TrainArgs:
         at_least(self.log_interval, 1, "--train.log_interval")
         at_least(self.save_interval, 1, "--train.save_interval", "to save only at the end")
         at_least(self.keep_checkpoints, 1, "--train.keep_checkpoints")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise LitftError(f"--train.peak_tflops must be positive (one device's dense peak at the run's precision), got {self.peak_tflops}")
+        at_least(self.warmup_steps, 0, "--train.warmup_steps")
+        positive(self.learning_rate, "--train.learning_rate", "the peak of the schedule")
+        at_least(self.min_lr, 0, "--train.min_lr")
+        if self.min_lr > self.learning_rate:
+            raise LitftError(f"--train.min_lr {self.min_lr} is above --train.learning_rate {self.learning_rate}; the schedule decays to it")
+        at_least(self.weight_decay, 0, "--train.weight_decay")
+        fraction(self.beta1, "--train.beta1", "AdamW's decay rate of the gradient mean,")
+        fraction(self.beta2, "--train.beta2", "AdamW's decay rate of the squared gradients,")
+        positive(self.max_norm, "--train.max_norm", "the largest gradient norm", nullable="for no clipping")
+        positive(self.peak_tflops, "--train.peak_tflops", "one device's dense peak at the run's precision")
 
 
 @dataclass
@@ -166,10 +188,8 @@ class LoraArgs:
 
     def check(self) -> None:
         at_least(self.r, 1, "--lora_r")
-        if not self.alpha > 0:
-            raise LitftError(f"--lora_alpha must be positive (the update is scaled by alpha / r), got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise LitftError(f"--lora_dropout is a probability in [0, 1), got {self.dropout}")
+        positive(self.alpha, "--lora_alpha", "the update is scaled by alpha / r")
+        fraction(self.dropout, "--lora_dropout", "a probability")
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
             raise LitftError(f"--quantize {self.quantize} is unknown; choose one of {', '.join(QUANTIZE_CHOICES)}")
         if not self.target_modules:
@@ -204,8 +224,9 @@ class Layout:
 
     def check(self) -> None:
         """What holds for every strategy; the chosen strategy checks the rest (``strategies.checked_strategy_class``)."""
-        if self.devices < 1 or self.num_nodes < 1:
-            raise LitftError("--devices and --num_nodes must be at least 1")
+        at_least(self.devices, 1, "--devices")
+        at_least(self.num_nodes, 1, "--num_nodes")
+        at_least(self.fsdp.shard_size, 1, "--fsdp.shard_size", "for one node")
         if self.strategy not in STRATEGY_NAMES:
             raise LitftError(f"--strategy {self.strategy} is unknown; choose one of {', '.join(STRATEGY_NAMES)}")
 

@@ -103,11 +103,22 @@ RESUME = Flag(
     'Continue from a checkpoint: "auto" takes the newest finished one in out_dir (or starts afresh if there is none), or a checkpoint folder\'s path.',
 )
 
+LoggerName = Literal["tensorboard", "wandb", "mlflow", "csv"]
+LOGGER_NAME = Flag(
+    "logger_name", Union[LoggerName, List[LoggerName]], "tensorboard",
+    "Where metrics and the run's config go besides out_dir/logs/csv (always written): tensorboard, wandb, mlflow, or a list such as [tensorboard, mlflow]; csv alone adds none.",
+)
+PROFILE = Flag(
+    "profile", bool, False,
+    "Profile a few training steps after warm-up with torch.profiler: each rank writes a Chrome trace and a table of its top operators to out_dir/logs/profile/, rank 0 prints its table.",
+)
+
 # Where the processes run and how they split the model: every job and litft estimate.
 PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, ACCELERATOR]
 MODEL_OPTIONS = [ATTENTION, COMPILE, KERNELS]
 LORA = [QUANTIZE, LORA_R, LORA_ALPHA, LORA_DROPOUT, LORA_TARGETS]
 RUN_CONTROL = [SEED, OVERWRITE, RESUME]
+WATCHING = [LOGGER_NAME, PROFILE]
 JOB = Literal["finetune_lora", "finetune_full", "pretrain"]
 
 

@@ -8,15 +8,14 @@ LoRA adapters on a frozen, possibly 4-bit base), where the first weights come fr
 import shutil
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
-import litft.data
 from litft.checkpoint.format import RUN_CONFIG
 from litft.config import EvalArgs, Layout, LoraArgs, TrainArgs
-from litft.data.base import DataModule
+from litft.data.base import DataModule, data_config
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
-from litft.flags import DATA, EVAL, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, Flag, command
+from litft.flags import DATA, EVAL, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, WATCHING, Flag, command
 from litft.trainer import RunResult, run_job
 
 @dataclass
@@ -41,6 +40,8 @@ class RunSpec:
     random_init: bool = False
     overwrite: bool = False
     resume: Optional[str] = None
+    loggers: Tuple[str, ...] = ("tensorboard",)
+    profile: bool = False
     recorded: dict = field(default_factory=dict)  # the flags as given: run_config.yaml, reusable with --config
 
     @classmethod
@@ -55,7 +56,8 @@ class RunSpec:
         common = dict(
             job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
             accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], compile=flags["compile"], kernels=flags["kernels"], layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
-            lora=lora, overwrite=flags["overwrite"], resume=flags["resume"],
+            lora=lora, overwrite=flags["overwrite"], resume=flags["resume"], profile=flags["profile"],
+            loggers=(flags["logger_name"],) if isinstance(flags["logger_name"], str) else tuple(flags["logger_name"]),
             recorded=config_of({k: v for k, v in flags.items() if k not in ("overwrite", "resume")}),
         )
         return cls(**{**common, **job_fields})
@@ -65,11 +67,17 @@ class RunSpec:
 
         A global batch left out is derived from the world size; the line saying so is returned.
         """
+        self.layout.check()  # the world size comes first: the batch checks divide by it
         if self.train.micro_batch_size < 1:
             raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
         self.train, note = self.train.resolved(self.layout.world_size)
         self.train.check(self.layout.world_size)
         self.eval.check(instruction_data=hasattr(self.data, "prompted"))
+        self.data.check()
+        if getattr(self.data, "streaming", False) and self.train.max_steps is None:
+            raise LitftError("--data.streaming true needs --train.max_steps: a stream's length is not known in advance")
+        if not 0 <= self.seed < 2**32:
+            raise LitftError(f"--seed must be in [0, 2**32) (what numpy and torch accept), got {self.seed}")
         if self.lora is not None:
             self.lora.check()
         if self.resume is not None and self.overwrite:
@@ -99,9 +107,7 @@ def config_of(values: dict) -> dict:
     out = {}
     for key, value in values.items():
         if isinstance(value, DataModule):
-            name = type(value).__name__
-            module = "litft.data" if getattr(litft.data, name, None) is type(value) else type(value).__module__
-            out[key] = {"class_path": f"{module}.{name}", "init_args": value.config_dict()}
+            out[key] = data_config(value)
         else:
             out[key] = _plain(asdict(value) if is_dataclass(value) else value)
     return out
@@ -121,7 +127,7 @@ def _job_flags(default_out: str, train: TrainArgs, validation: EvalArgs, middle=
     out = OUT_DIR.but(default=Path(default_out), help=help.get("out_dir", OUT_DIR.help))
     tail = [TRAIN.but(default=train), EVAL.but(default=validation, help=help.get("eval", EVAL.help))]
     seeded = [SEED.but(help=help["seed"]) if f is SEED and "seed" in help else f for f in RUN_CONTROL]
-    return [*head, out, *PARALLEL, *MODEL_OPTIONS, *middle, *tail, *seeded]
+    return [*head, out, *PARALLEL, *MODEL_OPTIONS, *middle, *tail, *WATCHING, *seeded]
 
 
 FINETUNE_TRAIN = dict(micro_batch_size=8, warmup_steps=20)

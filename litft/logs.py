@@ -1,13 +1,18 @@
-"""Where a run's metrics go (CSV and TensorBoard under out_dir/logs), and the library noise kept off its screen."""
+"""Where a run's metrics go (CSV always, TensorBoard, W&B, MLflow under out_dir/logs), and the library noise kept off its screen."""
 
 import csv
+import logging
 import os
 import warnings
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
+import datasets
+import lightning_utilities.core.rank_zero as lightning_rank_zero
 import transformers
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+
+from litft.trackers import TRACKERS
 
 
 class ContinuingCSVLogger(CSVLogger):
@@ -40,14 +45,30 @@ class ContinuingCSVLogger(CSVLogger):
         return writer
 
 
-def make_loggers(out_dir: Optional[Path]) -> List:
-    """CSV (which litft's own tools read) and TensorBoard, under out_dir/logs."""
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        """The run's config is out_dir/run_config.yaml; Lightning's CSV logger has no place for it."""
+
+
+def make_loggers(out_dir: Optional[Path], names: Sequence[str] = ("tensorboard",)) -> List:
+    """CSV always (litft's plot and tests read it), and those of TensorBoard, W&B and MLflow that ``names`` asks for."""
     if out_dir is None:
         return []
-    return [
-        ContinuingCSVLogger(root_dir=str(out_dir), name="logs", version="csv", flush_logs_every_n_steps=1),
-        TensorBoardLogger(root_dir=str(out_dir), name="logs", version="tensorboard"),
-    ]
+    loggers = [ContinuingCSVLogger(root_dir=str(out_dir), name="logs", version="csv", flush_logs_every_n_steps=1)]
+    if "tensorboard" in names:
+        loggers.append(TensorBoardLogger(root_dir=str(out_dir), name="logs", version="tensorboard"))
+    return loggers + [TRACKERS[name](out_dir) for name in names if name in TRACKERS]
+
+
+def log_config(fabric, config: dict) -> None:
+    """The run's flags, as run_config.yaml holds them, to every logger (each logs on rank 0)."""
+    for logger in fabric.loggers:
+        logger.log_hyperparams(config)
+
+
+def close_loggers(fabric, failed: bool) -> None:
+    """Let every logger finish its run (W&B and MLflow mark it finished or failed)."""
+    for logger in fabric.loggers:
+        logger.finalize("failed" if failed else "success")
 
 
 def continue_logs(fabric, step: int) -> None:
@@ -57,12 +78,30 @@ def continue_logs(fabric, step: int) -> None:
             logger.resumed_step = step
 
 
+class KnownNoise(logging.Filter):
+    """Drops Lightning's process-group banners (one per rank, and a framed one); litft's own line gives the world size."""
+
+    MESSAGES = ("Initializing distributed: GLOBAL_RANK", "All distributed processes registered")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.MESSAGES)
+
+
 def quiet_libraries() -> None:
     """Silence progress bars and known advice that libraries print on every rank, when a run starts."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    # datasets draws a bar for every split it reads and every map; litft says in one line what it tokenizes.
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
     # Lightning's CSV logger says this whenever logs/ has files; ContinuingCSVLogger keeps them on purpose.
     warnings.filterwarnings("ignore", message=".*Experiment logs directory .* exists and is not empty.*")
     # DCP says this on every single-process save and load.
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+    # litft joins srun's tasks itself (litft/cluster.py), so Lightning's advice to prepend srun does not apply.
+    warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system but is not used.*")
+    # Lightning's rank-zero messages go to whichever logger its last imported package installed.
+    for logger in (logging.getLogger("lightning.fabric.utilities.distributed"), lightning_rank_zero.log):
+        if not any(isinstance(f, KnownNoise) for f in logger.filters):
+            logger.addFilter(KnownNoise())

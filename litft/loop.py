@@ -82,13 +82,11 @@ def next_batch(trainer: "Trainer") -> Optional[StepBatch]:
     """This rank's micro-batches of the next step and the global counts; None when every rank stops instead."""
     fabric, state = trainer.fabric, trainer.state
     trainer.watch.at(state.step + 1, "training")
-    if state.epoch_step >= trainer.order.steps_per_epoch:
-        state.epoch, state.epoch_step = state.epoch + 1, 0
-    indices, micro = trainer.batches.get(state.epoch, state.epoch_step)
-    trainer.sample_log.write(state.step + 1, state.epoch, indices)
-    train = trainer.data.train
+    state.epoch, state.epoch_step = trainer.batches.position(state.epoch, state.epoch_step)  # the next epoch, past the end of one
+    micro = trainer.batches.get(state.epoch, state.epoch_step)
+    trainer.sample_log.write(state.step + 1, state.epoch, [b["ids"].tolist() for b in micro])
     reason = trainer.stops.reason(state.step)
-    flops = sum(trainer.flops.of_row(len(train[i]["input_ids"])) for idx in indices for i in idx) if trainer.flops else 0.0
+    flops = sum(trainer.flops.of_row(int(n)) for b in micro for n in b["lengths"]) if trainer.flops else 0.0
     # One all-reduce before the step: loss-carrying tokens (for the scale), input tokens, samples,
     # whether any rank was asked to stop, and the step's model FLOPs. Counted on the CPU from the
     # batches, and reduced there where the process group can (gloo): no accelerator sync.
@@ -127,6 +125,7 @@ def train_step(trainer: "Trainer", batch: StepBatch) -> None:
     # The loss and the norm stay on the device until a log step reads them.
     metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer)
     state.history.append(metrics)
+    trainer.profiler.after(state.step)
 
 
 def validate_and_log(trainer: "Trainer", scoring: bool) -> None:
@@ -152,3 +151,4 @@ def save(trainer: "Trainer") -> None:
     trainer.watch.at(trainer.state.step, "saving a checkpoint")
     path = trainer.checkpointer.save(trainer.state.state_dict())
     trainer.meter.progress.message(f"step {trainer.state.step}: checkpoint {path}")
+    trainer.write_plot()

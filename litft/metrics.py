@@ -32,8 +32,11 @@ def peak_memory_by_rank(fabric) -> Dict[str, float]:
     On a GPU, ``peak_reserved_gb`` beside it is what the allocator held: fragmentation
     and caching included, it is what runs out first.
     """
-    local = torch.tensor(peak_memory_gb(fabric.device), dtype=torch.float64, device=fabric.device)
-    rows = fabric.all_gather(local).reshape(-1, len(local)).tolist() if fabric.world_size > 1 else [local.tolist()]
+    local = peak_memory_gb(fabric.device)
+    # Each rank fills its own row and a sum gathers them (Lightning's all_gather goes through a deprecated torch call).
+    rows = torch.zeros((fabric.world_size, len(local)), dtype=torch.float64, device=fabric.device)
+    rows[fabric.global_rank] = torch.tensor(local, dtype=torch.float64)
+    rows = (fabric.all_reduce(rows, reduce_op="sum") if fabric.world_size > 1 else rows).tolist()
     peaks = [row[0] for row in rows]
     fullest = max(range(len(peaks)), key=peaks.__getitem__)
     metrics = {"peak_memory_gb": peaks[fullest], "peak_memory_rank": fullest}

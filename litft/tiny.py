@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -90,5 +91,12 @@ def build_tiny_model(path: Path) -> None:
     model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(path)
+    # Written directly: transformers' save_pretrained has accelerate import DeepSpeed (and log its accelerator) on a first run.
+    path.mkdir(parents=True, exist_ok=True)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items() if name not in tied}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.architectures, config.dtype = [type(model).__name__], torch.float32
+    config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
     tokenizer.save_pretrained(path)

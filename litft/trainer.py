@@ -25,14 +25,17 @@ from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
 from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.checkpoint.format import RUN_CONFIG
 from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, leave_process_group, preflight, restarted
-from litft.data.base import PreparedData, SampleOrder, StepBatches
+from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
+from litft.data.stream import StreamSource
 from litft.device import cuda_allocator_defaults, param_dtype, resolve_accelerator, resolve_precision
 from litft.errors import LitftError
 from litft.flops import StepFlops
-from litft.logs import continue_logs, make_loggers, quiet_libraries
+from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
 from litft.model import keep_rotary_fp32, load_tokenizer, resolve_model
+from litft.plot import plot_losses
+from litft.profiling import StepProfiler
 from litft.ranks import on_rank_zero, rank_zero_first
 from litft.strategies import checked_strategy_class
 from litft.watch import PeerWatch, StopSignals
@@ -92,7 +95,7 @@ class Trainer:
         strategy = chosen(layout, accelerator, precision, spec.train)
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
-            precision=precision, loggers=make_loggers(spec.out_dir),
+            precision=precision, loggers=make_loggers(spec.out_dir, spec.loggers),
         )
         join_torchrun_group(strategy.backend, accelerator)
         fabric.launch()
@@ -115,17 +118,19 @@ class Trainer:
         self.watch.at(0, "loading the tokenizer and data")
         source, self.tokenizer, self.data, resume_from = rank_zero_first(fabric, load, "loading the tokenizer and data")
         on_rank_zero(fabric, self._record_config, "writing the run's config")
+        log_config(fabric, spec.recorded)
         check_shared_out_dir(fabric, spec.out_dir)
         data: PreparedData = self.data
-        if len(data.train) < spec.train.global_batch_size:
+        streamed = isinstance(data.train, StreamSource)
+        num_train = 0 if streamed else len(data.train)  # a stream's length is not known
+        if not streamed and num_train < spec.train.global_batch_size:
             raise LitftError(
-                f"the training data has {len(data.train)} samples, fewer than one global batch ({spec.train.global_batch_size}); "
+                f"the training data has {num_train} samples, fewer than one global batch ({spec.train.global_batch_size}); "
                 "add data or lower --train.global_batch_size"
             )
-        mean_tokens = sum(len(s["input_ids"]) for s in data.train) / len(data.train)
-        self.total_steps = plan_steps(spec.train, len(data.train), mean_tokens)
+        self.total_steps = spec.train.max_steps if streamed else plan_steps(spec.train, num_train, mean_length(data.train))
         self.watch.at(0, "building the model")
-        fabric.seed_everything(spec.seed)
+        fabric.seed_everything(spec.seed, verbose=False)
         attention = choose_attention(spec.attn_implementation, fabric.device.type)
         fabric.print(describe_attention(attention, fabric.device.type))
         self.lm, fill, on_device = build_module(
@@ -139,10 +144,10 @@ class Trainer:
         fabric.print(
             f"{spec.job}: {sum(self.strategy.numel(p) for p in model.parameters()):,} parameters, "
             f"{sum(self.strategy.numel(p) for p in model.parameters() if p.requires_grad):,} trained; "
-            f"{len(data.train)} train / {len(data.val)} val samples; world size {fabric.world_size}; precision {self.precision}"
+            f"{'streamed' if streamed else num_train} train / {len(data.val)} val samples; world size {fabric.world_size}; precision {self.precision}"
         )
         self.checkpointer = Checkpointer(
-            fabric, self.strategy, self.lm, self.optimizer, self.scheduler, spec.out_dir, spec.train, self._meta(len(data.train)), spec.recorded,
+            fabric, self.strategy, self.lm, self.optimizer, self.scheduler, spec.out_dir, spec.train, self._meta(num_train), spec.recorded,
         )
         self.watch.at(0, "resuming")
         position = self.checkpointer.resume(resume_from)
@@ -152,14 +157,27 @@ class Trainer:
             fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
         self.start_step = self.stops.start_step = self.state.step
         train = spec.train
-        self.order = SampleOrder(len(data.train), train.global_batch_size, train.micro_batch_size, fabric.global_rank, fabric.world_size, spec.seed)
+        rank, world, pad, pin = fabric.global_rank, fabric.world_size, self.tokenizer.pad_token_id, fabric.device.type == "cuda"
         self.padding_free = attention in PACKED_SAFE  # samples end to end in one row, no padding computed
-        self.batches = StepBatches(data.train, self.order, self.tokenizer.pad_token_id, self.padding_free, pin=fabric.device.type == "cuda")
+        if streamed:
+            self.batches = data.train.step_batches(train.global_batch_size, train.micro_batch_size, rank, world, pad, pin, self.padding_free)
+        else:
+            order = SampleOrder(num_train, train.global_batch_size, train.micro_batch_size, rank, world, spec.seed)
+            self.batches = StepBatches(data.train, order, pad, self.padding_free, pin=pin)
         self.cadence = Cadence(self.total_steps, spec.eval, train.save_interval, train.max_tokens)
         self.flops = StepFlops.for_run(self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print)
         self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step, compiled=spec.compile)
         samples = spec.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
         self.sample_log = SampleLog(samples if train.record_sample_ids else None)
+        profiles = spec.out_dir / "logs" / "profile"
+        self.profiler = StepProfiler(spec.profile, profiles, fabric.global_rank, fabric.device, self.start_step, self.total_steps, self.meter.progress.message)
+        self.profiler.after(self.start_step)
+
+    def write_plot(self) -> None:
+        """out_dir/logs/loss.png from the CSV log (rank 0): at every checkpoint and at the end."""
+        if self.fabric.is_global_zero:
+            logs = self.spec.out_dir / "logs"
+            plot_losses(logs / "csv" / "metrics.csv", logs / "loss.png")
 
     def _record_config(self) -> None:
         self.spec.out_dir.mkdir(parents=True, exist_ok=True)
@@ -184,12 +202,14 @@ class Trainer:
                 fit(self)
             finally:
                 self.batches.close()
+                self.profiler.stop()
             return self.finish(started)
 
     def finish(self, started: float) -> RunResult:
         """The replica check, the export of the final checkpoint, and the run's last lines."""
         spec, fabric, state = self.spec, self.fabric, self.state
         model = self.lm.model
+        self.write_plot()
         if state.stopped_by:
             last = self.checkpointer.last_path
             saved = f"checkpoint {last}" if last else "no checkpoint (no step was trained)"
@@ -228,4 +248,5 @@ def run_job(spec: "RunSpec") -> RunResult:
         failed = False
         return result
     finally:
+        close_loggers(trainer.fabric, failed)
         leave_process_group(trainer.fabric, failed)

@@ -1,8 +1,10 @@
 """The ``--data`` choices. Each is a dataclass whose fields are its flags."""
 
 from litft.data.base import DataModule, PreparedData
+from litft.data.hf import HF
+from litft.data.mix import Mix
 from litft.data.sft import JSON
 from litft.data.text import TextFiles
 from litft.data.tiny import TinyTasks
 
-__all__ = ["DataModule", "PreparedData", "JSON", "TextFiles", "TinyTasks"]
+__all__ = ["DataModule", "PreparedData", "HF", "JSON", "Mix", "TextFiles", "TinyTasks"]

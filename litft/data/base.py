@@ -11,6 +11,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from litft.config import at_least, fraction
 from litft.errors import LitftError
 
 IGNORE_INDEX = -100
@@ -52,6 +53,12 @@ class DataModule:
     max_seq_length: Optional[int] = None
     packing: bool = False
 
+    def check(self) -> None:
+        """The data flags' own checks, made with the other flags' before any file is read."""
+        at_least(self.max_seq_length, 1, "--data.max_seq_length", "for the tokenizer's limit")
+        if hasattr(self, "val_split_fraction"):
+            fraction(self.val_split_fraction, "--data.val_split_fraction", "the share held out for validation,")
+
     def tokenize(self, tokenizer, seed: int) -> PreparedData:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -62,9 +69,10 @@ class DataModule:
     def config_dict(self) -> dict:
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
 
-    def cache_key(self, tokenizer, seed: int) -> str:
+    def cache_key(self, tokenizer, seed: int, source: str = "") -> str:
+        """What the tokenized data depends on; ``source`` is a fingerprint of data read by another library."""
         digest = hashlib.sha256()
-        digest.update(type(self).__name__.encode())
+        digest.update(f"{type(self).__name__}:{source}".encode())
         digest.update(json.dumps(self.config_dict(), sort_keys=True).encode())
         digest.update(f"{seed}:{self.effective_max_length(tokenizer)}:{CACHE_VERSION}".encode())
         digest.update(tokenizer_fingerprint(tokenizer).encode())
@@ -111,9 +119,28 @@ class DataModule:
         return min(int(limit), 2048) if limit else 2048
 
 
+def data_config(module: "DataModule") -> dict:
+    """A data module as jsonargparse reads it back: its class (litft's own by their short path) and its flags."""
+    where = type(module).__module__
+    where = "litft.data" if where.startswith("litft.data.") else where  # litft.data exports every module of its own
+    return {"class_path": f"{where}.{type(module).__name__}", "init_args": module.config_dict()}
+
+
+def mean_length(samples) -> float:
+    """Mean tokens per sample; tokenized tables keep a column of lengths, so their rows are not read for it."""
+    lengths = getattr(samples, "lengths", None)
+    if lengths is None:
+        lengths = [len(s["input_ids"]) for s in samples]
+    return float(sum(lengths)) / max(len(samples), 1)
+
+
 def _plain(value):
+    if isinstance(value, DataModule):
+        return data_config(value)
     if isinstance(value, Path):
         return str(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
@@ -129,16 +156,23 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()[:16]
 
 
-def split_train_val(items: list, val_fraction: float, seed: int) -> Tuple[list, list]:
-    """A seeded random split, so every rank and every resume sees the same validation set."""
-    if not 0 <= val_fraction < 1:
-        raise LitftError(f"--data.val_split_fraction must be in [0, 1), got {val_fraction}")
-    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = int(round(len(items) * val_fraction))
-    if val_fraction > 0 and n_val == 0 and len(items) > 1:
+def split_indices(count: int, val_fraction: float, seed: int) -> Tuple[List[int], List[int]]:
+    """Positions of the training and validation items of a seeded random split, each in their original order.
+
+    Seeded, so every rank and every resume sees the same validation set.
+    """
+    fraction(val_fraction, "--data.val_split_fraction", "the share held out for validation,")
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = int(round(count * val_fraction))
+    if val_fraction > 0 and n_val == 0 and count > 1:
         n_val = 1
     val_idx = set(order[:n_val])
-    return [x for i, x in enumerate(items) if i not in val_idx], [x for i, x in enumerate(items) if i in val_idx]
+    return [i for i in range(count) if i not in val_idx], sorted(val_idx)
+
+
+def split_train_val(items: list, val_fraction: float, seed: int) -> Tuple[list, list]:
+    train_idx, val_idx = split_indices(len(items), val_fraction, seed)
+    return [items[i] for i in train_idx], [items[i] for i in val_idx]
 
 
 PACKING_WINDOW = 32
@@ -193,6 +227,7 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
     tokens: where each sample starts (varlen), and the flat positions of the tokens
     that carry loss with the tokens they predict (for the loss on targets only).
     """
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
     if padding_free:
         labels = [s["labels"].clone() for s in samples]
         for later in labels[1:]:
@@ -214,7 +249,7 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
     return {
         "input_ids": input_ids, "labels": labels, "position_ids": position_ids,
         "ids": torch.stack([torch.as_tensor(s["id"]) for s in samples]),
-        "num_tokens": torch.tensor(sum(len(s["input_ids"]) for s in samples)),
+        "num_tokens": lengths.sum(), "lengths": lengths,  # each sample's length, for its FLOPs
         "varlen": cumulative_lengths(position_ids),
         "targets": targets_of(labels),
     }
@@ -304,15 +339,16 @@ class StepBatches:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="litft-collate")
         self.ahead = None
 
+    def position(self, epoch: int, step: int) -> Tuple[int, int]:
+        """(epoch, step) itself, or the start of the next epoch once this one has no global batch left."""
+        return (epoch + 1, 0) if step >= self.order.steps_per_epoch else (epoch, step)
+
     def make(self, epoch: int, step: int):
         indices = self.order.micro_batches(epoch, step)
-        micro = [collate([self.samples[i] for i in idx], self.pad_id, self.padding_free) for idx in indices]
-        if self.pin:
-            micro = [_pinned(b) for b in micro]
-        return indices, micro
+        return collated([[self.samples[i] for i in idx] for idx in indices], self.pad_id, self.padding_free, self.pin)
 
     def get(self, epoch: int, step: int):
-        """(indices, micro-batches) of this step of this epoch; the next step's are started at once."""
+        """The micro-batches of this step of this epoch; the next step's are started at once."""
         if self.ahead is not None and self.ahead[0] == (epoch, step):
             made = self.ahead[1].result()
         else:
@@ -323,6 +359,12 @@ class StepBatches:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def collated(micro_samples: List[List[Sample]], pad_id: int, padding_free: bool, pin: bool) -> List[Dict[str, torch.Tensor]]:
+    """Micro-batches of samples, collated (and pinned, for a GPU's non-blocking copy)."""
+    micro = [collate(samples, pad_id, padding_free) for samples in micro_samples]
+    return [_pinned(b) for b in micro] if pin else micro
 
 
 def eval_batches(num_samples: int, micro_batch_size: int, rank: int, world_size: int) -> Iterator[List[int]]:

@@ -71,6 +71,11 @@ class InstructionData(DataModule):
         check_record(record, where)
         if "messages" in record:
             return chat_segments(tokenizer, record["messages"], where, self.mask_prompt)
+        if "instruction" not in record:  # prompt and completion: the prompt as it is, or as the user's turn of a chat
+            if self.prompt_style == "chat":
+                messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["completion"]}]
+                return chat_segments(tokenizer, messages, where, self.mask_prompt)
+            return [(record["prompt"], False), (record["completion"] + (tokenizer.eos_token or ""), True)]
         instruction, input_text, output = record["instruction"], record.get("input") or "", record["output"]
         if self.prompt_style == "chat":
             user = f"{instruction}\n\n{input_text}" if input_text else instruction
@@ -116,11 +121,12 @@ def check_record(record, where: str) -> None:
         raise LitftError(f"{where} is not a JSON object")
     if "messages" in record:
         return
-    missing = [k for k in ("instruction", "output") if not isinstance(record.get(k), str)]
+    needed = ("prompt", "completion") if "prompt" in record and "instruction" not in record else ("instruction", "output")
+    missing = [k for k in needed if not isinstance(record.get(k), str)]
     if missing:
         raise LitftError(
             f"{where} lacks the field(s) {', '.join(missing)}; each record needs 'instruction' and 'output' "
-            "(optionally 'input'), or a 'messages' list"
+            "(optionally 'input'), 'prompt' and 'completion', or a 'messages' list"
         )
 
 
@@ -155,7 +161,7 @@ def chat_segments(tokenizer, messages, where: str, mask_prompt: bool = True) -> 
 
 @dataclass
 class JSON(InstructionData):
-    """Instruction records from a JSON list or JSONL file: Alpaca fields or chat ``messages``."""
+    """Instruction records from a JSON list or JSONL file: Alpaca fields, prompt and completion, or chat ``messages``."""
 
     json_path: Path = Path("data/train.json")
     """A .json list or .jsonl file of records with instruction/input/output, or messages."""

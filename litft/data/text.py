@@ -38,13 +38,20 @@ def read_documents(path: Path) -> List[str]:
     return documents
 
 
+def document_ids(tokenizer, document: str) -> List[int]:
+    """A document's tokens and the EOS that ends it."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return tokenizer(document, add_special_tokens=False)["input_ids"] + eos
+
+
 def blocks(tokenizer, documents: List[str], block_size: int, first_id: int = 0) -> List[Sample]:
     """Tokenize, join with EOS, and cut into blocks; the short tail is dropped."""
-    stream: List[int] = []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for doc in documents:
-        stream += tokenizer(doc, add_special_tokens=False)["input_ids"] + eos
-    tokens = torch.tensor(stream, dtype=torch.long)
+    return cut_blocks([document_ids(tokenizer, doc) for doc in documents], block_size, first_id)
+
+
+def cut_blocks(documents: List[List[int]], block_size: int, first_id: int = 0) -> List[Sample]:
+    """Token lists joined end to end and cut into blocks of ``block_size``; the short tail is dropped."""
+    tokens = torch.tensor([t for doc in documents for t in doc], dtype=torch.long)
     n_blocks = len(tokens) // block_size
     return [
         {"input_ids": chunk, "labels": chunk.clone(), "id": torch.tensor(first_id + i)}

@@ -4,6 +4,7 @@ import random
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from litft.config import at_least
 from litft.data.sft import InstructionData, PromptStyle
 from litft.errors import LitftError
 
@@ -57,12 +58,15 @@ class TinyTasks(InstructionData):
     packing: bool = False
     """Put several samples in one row of max_seq_length tokens, kept apart by position ids."""
 
+    def check(self) -> None:
+        super().check()
+        at_least(self.num_train, 1, "--data.num_train")
+        at_least(self.num_val, 0, "--data.num_val")
+
     def records(self, seed: int):
         unknown = sorted(set(self.tasks) - set(TASKS))
         if unknown:
             raise LitftError(f"--data.tasks has unknown task(s) {unknown}; choose from {list(TASKS)}")
-        if self.num_train < 1:
-            raise LitftError("--data.num_train must be at least 1")
         tasks = tuple(self.tasks)
         # Validation comes from another seed, so scores measure answers the model never saw.
         return task_records(self.num_train, seed, tasks), task_records(self.num_val, seed + 10_000, tasks), "TinyTasks"

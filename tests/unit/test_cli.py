@@ -130,3 +130,59 @@ def test_batch_defaults_follow_the_world_size():
     assert note == "global batch 64 samples (--train.global_batch_size not given; the default 32 rounded up to a multiple of micro batch 8 x 8 ranks)"
     assert TrainArgs(micro_batch_size=8).resolved(4) == (TrainArgs(micro_batch_size=8, global_batch_size=32), None)
     assert TrainArgs(global_batch_size=24, micro_batch_size=4).resolved(8)[0].global_batch_size == 24  # given: kept, then checked
+
+
+HF_PARQUET = ["--data", "HF", "--data.path", "d.parquet"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--train.learning_rate", "0"], "--train.learning_rate must be positive (the peak of the schedule), got 0.0"),
+        (["--train.learning_rate", "nan"], "--train.learning_rate: expected float, got nan"),
+        (["--train.learning_rate", "fast"], "--train.learning_rate: expected float, got fast"),
+        (["--train.min_lr=-1e-5"], "--train.min_lr must be at least 0"),
+        (["--train.min_lr", "0.1"], "--train.min_lr 0.1 is above --train.learning_rate"),
+        (["--train.beta1", "1.0"], "--train.beta1 is AdamW's decay rate of the gradient mean, in [0, 1), got 1.0"),
+        (["--train.beta2", "-0.5"], "--train.beta2 is AdamW's decay rate of the squared gradients, in [0, 1)"),
+        (["--train.weight_decay", "-0.1"], "--train.weight_decay must be at least 0"),
+        (["--train.warmup_steps", "-1"], "--train.warmup_steps must be at least 0"),
+        (["--train.max_norm", "0"], "--train.max_norm must be positive (the largest gradient norm) or null for no clipping"),
+        (["--train.peak_tflops", "-3"], "--train.peak_tflops must be positive"),
+        (["--train.peak_tflops", "inf"], "--train.peak_tflops: Does not validate"),
+        (["--train.micro_batch_size", "0"], "--train.global_batch_size and --train.micro_batch_size must be at least 1"),
+        (["--train.epochs", "0"], "--train.epochs must be at least 1 (or null for no limit)"),
+        (["--train.max_tokens", "-5"], "--train.max_tokens must be at least 1"),
+        (["--train.log_interval", "0"], "--train.log_interval must be at least 1"),
+        (["--train.save_interval", "0"], "--train.save_interval must be at least 1 (or null to save only at the end)"),
+        (["--train.keep_checkpoints", "0"], "--train.keep_checkpoints must be at least 1"),
+        (["--eval.interval", "-1"], "--eval.interval must be at least 0"),
+        (["--eval.max_batches", "0"], "--eval.max_batches must be at least 1"),
+        (["--eval.score_samples", "-2"], "--eval.score_samples must be at least 0"),
+        (["--eval.max_new_tokens", "0"], "--eval.max_new_tokens must be at least 1"),
+        (["--lora_r", "0"], "--lora_r must be at least 1"),
+        (["--lora_alpha", "-16"], "--lora_alpha must be positive"),
+        (["--lora_dropout", "1.5"], "--lora_dropout is a probability in [0, 1), got 1.5"),
+        (["--devices", "0"], "--devices must be at least 1"),
+        (["--num_nodes", "0"], "--num_nodes must be at least 1"),
+        (["--data.max_seq_length", "0"], "--data.max_seq_length must be at least 1"),
+        (["--data.num_train", "0"], "--data.num_train must be at least 1"),
+        ([*HF_PARQUET, "--data.val_split_fraction", "1"], "--data.val_split_fraction is the share held out for validation, in [0, 1)"),
+        ([*HF_PARQUET, "--data.shuffle_buffer", "0"], "--data.shuffle_buffer must be at least 1"),
+        ([*HF_PARQUET, "--data.val_samples", "-1"], "--data.val_samples must be at least 0"),
+        ([*HF_PARQUET, "--data.num_proc", "0"], "--data.num_proc must be at least 1 (or null to choose by the data's size)"),
+    ],
+)
+def test_bad_numbers_are_one_line(tmp_path, capsys, args, message):
+    """Every numeric flag: a value out of its range (or not a number) is one line, and nothing is written."""
+    code, err = run_main(["finetune_lora", *SMALL, "--out_dir", tmp_path / "o", *args], capsys)
+    assert code == 2
+    assert err.startswith("litft: error:") and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_mix_weights_are_checked(tmp_path, capsys):
+    sources = '[{"class_path": "TinyTasks"}, {"class_path": "TinyTasks"}]'
+    for weights, message in (("[1]", "--data.weights has 1 values for 2 sources"), ("[1, -2]", "--data.weights must be positive")):
+        code, err = run_main(["finetune_full", "--data", "Mix", "--data.sources", sources, "--data.weights", weights, "--out_dir", tmp_path / "o"], capsys)
+        assert code == 2 and message in err and len(err.splitlines()) == 1, err

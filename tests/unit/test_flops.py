@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from litft.build import enable_checkpointing
 from litft.errors import LitftError
 from litft.flops import PEAK_TFLOPS, device_key, flops_per_token, mfu, peak_flops, precision_key
 
@@ -50,8 +51,8 @@ def build(config, checkpointing=False):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    if checkpointing:  # as litft.build does it
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        enable_checkpointing(model)
     return model
 
 

@@ -103,7 +103,7 @@ def test_train_step_reads_nothing_back_from_the_device_but_on_log_steps():
     from litft.metrics import StepMeter
 
     fabric = SimpleNamespace(
-        world_size=1, device=torch.device("cpu"), is_global_zero=False, to_device=lambda b: b, autocast=nullcontext,
+        world_size=1, global_rank=0, device=torch.device("cpu"), is_global_zero=False, to_device=lambda b: b, autocast=nullcontext,
         no_backward_sync=lambda module, enabled: nullcontext(), backward=lambda loss: None, all_reduce=lambda t, reduce_op: t,
         log_dict=lambda metrics, step: None,
     )
@@ -116,7 +116,7 @@ def test_train_step_reads_nothing_back_from_the_device_but_on_log_steps():
         fabric=fabric, strategy=strategy, spec=SimpleNamespace(train=train), state=LoopState(), scheduler=SimpleNamespace(step=lambda: None),
         optimizer=SimpleNamespace(param_groups=[{"lr": 0.1}]),
         module=SimpleNamespace(training_step=lambda batch: torch.tensor(2.0).as_subclass(OnDevice)),
-        meter=StepMeter(fabric, strategy, train, flops=None, total_steps=6, start_step=0),
+        meter=StepMeter(fabric, strategy, train, flops=None, total_steps=6, start_step=0), profiler=SimpleNamespace(after=lambda step: None),
     )
     batch = StepBatch(micro=[{}, {}], targets=4, tokens=10, samples=2, flops=0.0)
     reads_per_step = []
