@@ -44,11 +44,15 @@ def assert_close_losses(expected, got, steps):
         assert abs(expected[step] - got[step]) <= 1e-5 * abs(expected[step]), (step, expected, got)
 
 
-def assert_each_sample_once(whole, chained):
-    """The chained runs trained, step by step, the samples the uninterrupted run trained: each once."""
+def assert_chain_sees_each_sample_once(whole, middle, last):
+    """Steps 1-2 of ``whole``, 3-4 of ``middle`` and 5-6 of ``last`` trained, step by step, the samples ``whole`` trained: each once."""
+    reference = samples_by_step(whole)
+    chained = {s: ids for s, ids in reference.items() if s <= 2}
+    chained.update({s: ids for s, ids in samples_by_step(middle).items() if s in (3, 4)})
+    chained.update(samples_by_step(last))
     assert sorted(chained) == list(range(1, 7))
     for step in range(1, 7):
-        assert sorted(chained[step]) == sorted(whole[step]) and len(set(chained[step])) == 8, step
+        assert sorted(chained[step]) == sorted(reference[step]) and len(set(chained[step])) == 8, step
     seen = Counter(i for ids in chained.values() for i in ids)
     assert max(seen.values()) == 1 and len(seen) == 48  # one epoch of 64: none twice, none skipped
 
@@ -84,10 +88,7 @@ def test_topology_change_4_to_2_to_1_sees_every_sample_once(four_ranks, tmp_path
     assert_close_losses(reference, losses(two), [3, 4, 5, 6])
     assert_close_losses(reference, losses(one), [5, 6])
     # Sample accounting, from what each rank recorded it trained on.
-    chained = {s: ids for s, ids in samples_by_step(four_ranks).items() if s <= 2}
-    chained.update({s: ids for s, ids in samples_by_step(two).items() if s in (3, 4)})
-    chained.update(samples_by_step(one))
-    assert_each_sample_once(samples_by_step(four_ranks), chained)
+    assert_chain_sees_each_sample_once(four_ranks, two, one)
 
 
 def test_convert_fsdp_checkpoint_matches_training_export(four_ranks, tmp_path):
@@ -161,10 +162,7 @@ def test_zero3_resumes_on_one_rank_then_at_stage_2_and_sees_every_sample_once(ze
     assert sorted(losses(one)) == [3, 4, 5, 6] and sorted(losses(stage2)) == [5, 6]
     assert_close_losses(reference, losses(one), [3, 4, 5, 6])
     assert_close_losses(reference, losses(stage2), [5, 6])
-    chained = {s: ids for s, ids in samples_by_step(whole).items() if s <= 2}
-    chained.update({s: ids for s, ids in samples_by_step(one).items() if s in (3, 4)})
-    chained.update(samples_by_step(stage2))
-    assert_each_sample_once(samples_by_step(whole), chained)
+    assert_chain_sees_each_sample_once(whole, one, stage2)
 
 
 def test_deepspeed_and_other_strategies_resume_each_other(zero3_two_ranks, four_ranks, tmp_path):
