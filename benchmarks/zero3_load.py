@@ -13,6 +13,7 @@ which are subtracted before dividing by the model's size.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from litft.config import DeepSpeedArgs, Layout, LoraArgs, TrainArgs
 from litft.strategies import DeepSpeed
 
 JOBS = {"full": None, "lora": LoraArgs(r=8, dropout=0.0), "qlora": LoraArgs(r=8, dropout=0.0, quantize="bnb.nf4")}
+RESULT = re.compile(r"RESULT (\w+) (\w+) (\d+) (-?[\d.]+) (-?[\d.]+) (-?[\d.]+)")
 TINY = ["--layers", "1", "--hidden", "128", "--vocab", "512"]
 
 
@@ -92,10 +94,9 @@ def main() -> None:
                 )
                 if out.returncode != 0:
                     raise SystemExit(out.stderr[-3000:])
-                for line in out.stdout.splitlines():
-                    if line.startswith("RESULT "):
-                        _, j, s, rank, fill_mb, setup_mb, held = line.split()
-                        rows[(j, s, int(rank))] = (float(fill_mb), float(setup_mb), float(held))
+                # The ranks' lines may interleave: read each record by its shape.
+                for j, s, rank, fill_mb, setup_mb, held in RESULT.findall(out.stdout):
+                    rows[(j, s, int(rank))] = (float(fill_mb), float(setup_mb), float(held))
         for job in JOBS:
             for rank in range(args.devices):
                 big, tiny = rows[(job, "big", rank)], rows[(job, "tiny", rank)]

@@ -22,7 +22,7 @@ from transformers.initialization import no_init_weights
 
 from litft.cluster import process_group_timeout
 from litft.config import DeepSpeedArgs, Layout, TrainArgs
-from litft.device import compute_dtype, param_dtype
+from litft.device import compute_dtype, param_dtype, release_freed_host_memory
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
 from litft.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes, read_dcp
@@ -202,6 +202,8 @@ class PartitionedFill:
                     for attr, param in partitioned.items():
                         param.data.copy_(module._parameters[attr].data)
                         module._parameters[attr] = param
+            if partitioned:
+                release_freed_host_memory()
 
 
 def _template(shape, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
@@ -268,6 +270,7 @@ class DeepSpeed(TrainingStrategy):
         with deepspeed.zero.Init(config_dict_or_path=self.config), no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.tie_weights()
+        release_freed_host_memory()
         return model
 
     def filler(self, lm, weights: Optional[CheckpointWeights], seed: int) -> Fill:

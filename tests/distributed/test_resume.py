@@ -1,4 +1,4 @@
-"""Resuming sharded runs in real gloo processes: same topology, 4 -> 2 -> 1 ranks, FULL_SHARD -> HYBRID_SHARD, DeepSpeed ZeRO-3 -> one rank -> ZeRO-2, across strategies."""
+"""Resuming sharded runs in real gloo processes: same topology, 4 -> 2 -> 1 ranks, FULL_SHARD -> HYBRID_SHARD, DeepSpeed ZeRO-3 -> one rank -> ZeRO-2 and -> no DeepSpeed."""
 
 import json
 import os
@@ -165,15 +165,12 @@ def test_zero3_resumes_on_one_rank_then_at_stage_2_and_sees_every_sample_once(ze
     assert_chain_sees_each_sample_once(whole, one, stage2)
 
 
-def test_deepspeed_and_other_strategies_resume_each_other(zero3_two_ranks, four_ranks, tmp_path):
-    """A ZeRO-3 checkpoint continues in one plain process; an FSDP checkpoint continues under ZeRO-3."""
+def test_zero3_checkpoint_resumes_in_one_plain_process(zero3_two_ranks, tmp_path):
+    """DeepSpeed writes the layout a plain AdamW run reads: the run continues without DeepSpeed."""
     whole, _ = zero3_two_ranks
     run_cli("finetune_full", *COMMON, "--train.micro_batch_size", "8", "--out_dir", tmp_path / "plain", "--resume", checkpoint(whole, 4))
+    assert sorted(losses(tmp_path / "plain")) == [5, 6]
     assert_close_losses(losses(whole), losses(tmp_path / "plain"), [5, 6])
-    run_cli("finetune_full", *COMMON, *ZERO3, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", tmp_path / "zero3",
-            "--resume", checkpoint(four_ranks, 4))
-    assert sorted(losses(tmp_path / "zero3")) == [5, 6]
-    assert_close_losses(losses(four_ranks), losses(tmp_path / "zero3"), [5, 6])
 
 
 def test_deepspeed_zero3_lora_resume_and_convert(tmp_path):
