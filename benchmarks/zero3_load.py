@@ -9,7 +9,7 @@ memory grew at its peak, first through the fill and then through ``fabric.setup`
 The same runs on a tiny model give the fixed costs (DeepSpeed's engine, imports),
 which are subtracted before dividing by the model's size.
 
-    python benchmarks/zero3_load.py --layers 18 --hidden 1024 --devices 2
+    python benchmarks/zero3_load.py --layers 18 --hidden 1024 --devices 2 [--jobs full lora qlora]
 """
 
 import os
@@ -79,6 +79,7 @@ def main() -> None:
         job, size, folder, devices = sys.argv[2:6]
         return run_one(job, size, folder, int(devices))
     parser = shape_parser(__doc__.splitlines()[0], layers=18)
+    parser.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS))
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="litft-zero3-"))
     try:
@@ -86,7 +87,7 @@ def main() -> None:
         _, block_mb, embedding_mb, _ = llama_shape(args)
         print(f"model {sizes['big']:.0f} MB in fp32, one block {block_mb:.0f} MB, one embedding {embedding_mb:.0f} MB, {args.devices} ranks")
         rows = {}
-        for job in JOBS:
+        for job in args.jobs:
             for size in sizes:
                 out = subprocess.run(
                     [sys.executable, __file__, "--run", job, size, str(root / size), str(args.devices)],
@@ -97,14 +98,13 @@ def main() -> None:
                 # The ranks' lines may interleave: read each record by its shape.
                 for j, s, rank, fill_mb, setup_mb, held in RESULT.findall(out.stdout):
                     rows[(j, s, int(rank))] = (float(fill_mb), float(setup_mb), float(held))
-        for job in JOBS:
             for rank in range(args.devices):
                 big, tiny = rows[(job, "big", rank)], rows[(job, "tiny", rank)]
                 fill_growth, setup_growth = big[0] - tiny[0], big[1] - tiny[1]
                 print(
                     f"{job:5s} rank {rank}: fill +{fill_growth:7.1f} MB = {fill_growth / sizes['big']:.3f} x model | "
                     f"through fabric.setup +{setup_growth:7.1f} MB = {setup_growth / sizes['big']:.3f} x model | "
-                    f"parameters held {big[2]:7.1f} MB | tiny baseline {tiny[0]:.1f} / {tiny[1]:.1f} MB",
+                    f"parameters held {big[2]:7.1f} MB | tiny baseline {tiny[0]:.1f} / {tiny[1]:.1f} MB", flush=True,
                 )
     finally:
         shutil.rmtree(root, ignore_errors=True)
