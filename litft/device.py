@@ -1,7 +1,6 @@
 """Which device a run trains on and in which number formats."""
 
 import ctypes
-import ctypes.util
 import os
 from typing import Optional
 
@@ -9,7 +8,7 @@ import torch
 
 from litft.errors import LitftError
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+_PROCESS = ctypes.CDLL(None)  # the symbols already loaded, the C library's among them
 
 
 def release_freed_host_memory() -> None:
@@ -19,7 +18,7 @@ def release_freed_host_memory() -> None:
     size come from the heap and stay resident once freed: filling a model one part
     at a time would otherwise keep the memory of every transient whole part.
     """
-    trim = getattr(_LIBC, "malloc_trim", None)
+    trim = getattr(_PROCESS, "malloc_trim", None)
     if trim is not None:
         trim(0)
 
