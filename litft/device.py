@@ -1,11 +1,26 @@
 """Which device a run trains on and in which number formats."""
 
+import ctypes
 import os
 from typing import Optional
 
 import torch
 
 from litft.errors import LitftError
+
+_PROCESS = ctypes.CDLL(None)  # the symbols already loaded, the C library's among them
+
+
+def release_freed_host_memory() -> None:
+    """Give freed heap pages back to the system (glibc only; elsewhere nothing happens).
+
+    glibc raises its mmap threshold after a large free, so the next buffers of a
+    size come from the heap and stay resident once freed: filling a model one part
+    at a time would otherwise keep the memory of every transient whole part.
+    """
+    trim = getattr(_PROCESS, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def cuda_allocator_defaults(env=None) -> None:

@@ -118,7 +118,7 @@ class Materializer:
         for module_name, module in root.named_modules(remove_duplicate=False):
             for kind in ("_parameters", "_buffers"):
                 for attr, tensor in getattr(module, kind).items():
-                    if tensor is not None and tensor.is_meta:
+                    if tensor is not None:
                         full = f"{module_name}.{attr}" if module_name else attr
                         self.names[id(tensor)].append(checkpoint_name(full))
                         self.owners[id(tensor)].append((module, kind, attr))
@@ -138,11 +138,25 @@ class Materializer:
         ]
         if not pending:
             return
+        values = self.fill_slots(module_name, module, [(kind, attr, meta, meta) for kind, attr, meta in pending])
+        for (_, _, meta), value in zip(pending, values):
+            for owner, owner_kind, owner_attr in self.owners[id(meta)]:  # a tied tensor everywhere it is used
+                getattr(owner, owner_kind)[owner_attr] = value
+
+    @torch.no_grad()
+    def fill_slots(self, module_name: str, module: nn.Module, slots: List[tuple]) -> List[torch.Tensor]:
+        """Put first values into some of ``module``'s tensors and return them, in order.
+
+        Each slot is ``(kind, attr, template, known)``: the new tensor gets the
+        template's shape and dtype, and ``known`` (a tensor this filler saw in the
+        model) gives its names. The model's init runs on the module holding the new
+        tensors, so it needs the module itself, not only the values.
+        """
         name = checkpoint_name(module_name)
         persistent = {a for a in module._buffers if a not in module._non_persistent_buffers_set}
         fresh = []
-        for kind, attr, meta in pending:
-            names = self.names[id(meta)]
+        for kind, attr, template, known in slots:
+            names = self.names[id(known)]
             from_checkpoint = self.weights is not None and not is_lora_tensor(names[0]) and (kind == "_parameters" or attr in persistent)
             key = self.weights.find(names) if from_checkpoint else None
             if from_checkpoint and key is None:
@@ -150,17 +164,17 @@ class Materializer:
                     f"the checkpoint in {self.weights.folder} has no tensor for {names[0]}; it does not match this model's config"
                 )
             # safetensors hands out views of its file mapping; the parameter gets its own memory.
-            value = self._read(key, meta) if key is not None else torch.empty(meta.shape, dtype=meta.dtype)
+            value = self._read(key, template) if key is not None else torch.empty(template.shape, dtype=template.dtype)
             if kind == "_parameters":
-                value = nn.Parameter(value, requires_grad=meta.requires_grad)
-            for owner, owner_kind, owner_attr in self.owners[id(meta)]:
-                getattr(owner, owner_kind)[owner_attr] = value
-            fresh.append((key, meta, value))
+                value = nn.Parameter(value, requires_grad=template.requires_grad)
+            getattr(module, kind)[attr] = value
+            fresh.append((key, template, value))
         if any(key is None for key, _, _ in fresh):
             self._init(name, module, [value for key, _, value in fresh if key is None])
-            for key, meta, value in fresh:
+            for key, template, value in fresh:
                 if key is not None:  # the module's init also touched these; the checkpoint wins
-                    value.data.copy_(self._read(key, meta))
+                    value.data.copy_(self._read(key, template))
+        return [value for _, _, value in fresh]
 
     def _read(self, key: str, meta: torch.Tensor) -> torch.Tensor:
         stored = self.weights.get(key)

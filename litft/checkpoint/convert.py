@@ -21,10 +21,9 @@ import yaml
 from peft import LoraConfig
 from safetensors.torch import save_file
 
-from litft.checkpoint.format import RUN_CONFIG, CheckpointMeta, TrainedTensors, resolve_resume
+from litft.checkpoint.format import RUN_CONFIG, CheckpointMeta, TrainedTensors, dcp_trained_tensors, resolve_resume
 from litft.errors import LitftError
 from litft.model import load_config, load_tokenizer, resolve_model
-from litft.strategies import writer_of
 from litft.weights import CheckpointWeights, locate_checkpoint, skeleton, transformer_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,7 +76,9 @@ def export(path: Path, target: Path, merge_lora: bool = True, dtype: Optional[st
         shutil.rmtree(leftover, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        trained = writer_of(meta).read_trained(path, meta)
+        if meta.format != "dcp":
+            raise LitftError(f"checkpoint {path} {meta.unreadable_format()}")
+        trained = dcp_trained_tensors(path)
         lora = meta.job == "finetune_lora"
         if lora and not merge_lora:
             _write_adapter(trained, meta, run_config, staging, dtype)

@@ -3,9 +3,11 @@
 A checkpoint is ``out_dir/checkpoints/step-00000042/``:
 
 - ``model/``: parameters and optimizer states that train, as torch.distributed.checkpoint
-  (DCP) writes them, one file per rank. DCP stores every tensor by name and global
-  shape, so it reads back on any number of ranks and any sharding (FSDP, DDP, one process).
-- ``deepspeed/``: DeepSpeed's own files instead, under ``--strategy deepspeed``.
+  (DCP) writes them, one file per rank, in the layout of a plain AdamW run's
+  ``get_state_dict`` whatever the strategy (DeepSpeed's fp32 masters and AdamW states
+  are written per parameter in that layout, see ``strategies/deepspeed_state.py``).
+  DCP stores every tensor by name and global shape, so it reads back on any number
+  of ranks, any sharding and any strategy (FSDP, DDP, DeepSpeed at any ZeRO stage, one process).
 - ``rng/rank-N.pt``: every rank's random generators.
 - ``run_config.yaml``: the flags that made the run.
 - ``meta.json``: a :class:`CheckpointMeta`. It is written last, by rank 0, after every
@@ -148,7 +150,10 @@ class CheckpointMeta:
         if self.num_train_samples != current.num_train_samples:
             raise LitftError(f"{where} was trained on {self.num_train_samples} samples, this data has {current.num_train_samples}; resume with the same data")
         if self.format != current.format:
-            raise LitftError(f"{where} was written under --strategy {self.strategy}; resume it with --strategy {self.strategy}")
+            raise LitftError(f"{where} {self.unreadable_format()}; resume from a checkpoint of this litft or start again")
+
+    def unreadable_format(self) -> str:
+        return f"holds {self.format} files (an earlier litft's DeepSpeed format), this litft reads only its DCP layout"
 
 
 # ---------------------------------------------------------------- random generators

@@ -19,8 +19,8 @@ from litft.ranks import on_every_rank, on_rank_zero
 class Checkpointer:
     """Writes and reads this run's checkpoints; what they must agree with is ``meta`` (built from the run).
 
-    The strategy writes and reads the training state itself (DCP shards, or
-    DeepSpeed's files); the checkpointer owns the folder, the commit and the rest.
+    The strategy writes and reads the training state itself (DCP shards in one
+    layout for every strategy); the checkpointer owns the folder, the commit and the rest.
     """
 
     def __init__(self, fabric, strategy, lm, optimizer, scheduler, out_dir: Path, train, meta: CheckpointMeta, run_config: dict):
@@ -83,7 +83,6 @@ class Checkpointer:
         def check():
             stored = CheckpointMeta.read(path)
             stored.check_fits(path, self.meta)
-            self.strategy.check_resume(path, stored, self.fabric.world_size)
             return stored
 
         stored = on_every_rank(self.fabric, check, "checking the checkpoint to resume from")

@@ -31,9 +31,4 @@ def checked_strategy_class(layout: Layout, accelerator: str, precision: str) -> 
     return chosen
 
 
-def writer_of(meta) -> Type[TrainingStrategy]:
-    """The strategy whose format a checkpoint is in, to read its trained tensors."""
-    return DeepSpeed if meta.format == DeepSpeed.checkpoint_format else SingleDevice
-
-
-__all__ = ["TrainingStrategy", "SingleDevice", "DDP", "FSDP", "DeepSpeed", "strategy_class", "checked_strategy_class", "writer_of"]
+__all__ = ["TrainingStrategy", "SingleDevice", "DDP", "FSDP", "DeepSpeed", "strategy_class", "checked_strategy_class"]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from litft.checkpoint.format import TrainedTensors, dcp_trained_tensors, safe_reader
+from litft.checkpoint.format import safe_reader
 from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype
 from litft.errors import LitftError
@@ -43,6 +43,17 @@ def _model_and_optimizer_state(lm, optimizer):
     inner = getattr(optimizer, "optimizer", optimizer)  # under Fabric's wrapper
     model_state, optimizer_state = get_state_dict(lm.model, inner, options=StateDictOptions(ignore_frozen_params=True))
     return {"model": model_state, "optimizer": optimizer_state}, inner
+
+
+def read_dcp(folder: Path, state_dict: dict) -> None:
+    """Fill ``state_dict`` in place from the checkpoint's DCP files; one line when they cannot be read."""
+    try:
+        dcp.load(state_dict, storage_reader=safe_reader(folder / "model"))
+    except LitftError:
+        raise
+    except Exception as err:  # noqa: BLE001 - DCP's messages run to many lines
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise LitftError(f"checkpoint {folder} could not be read ({first[:300]}); resume from another checkpoint") from None
 
 
 class TrainingStrategy:
@@ -139,38 +150,24 @@ class TrainingStrategy:
         """What the checkpoint's meta records about how it was written."""
         return {"format": self.checkpoint_format, "strategy": self.layout.strategy, "zero_stage": None}
 
-    def check_resume(self, path: Path, stored, world_size: int) -> None:
-        """One line when this run cannot read the training state of ``path`` (its ``CheckpointMeta``); other formats are refused before."""
-
     def save(self, folder: Path, lm, optimizer) -> None:
         """This rank's part of the training state (trained tensors and optimizer states), under ``folder``.
 
-        DCP stores every tensor by name and global shape, so what one process, DDP or
-        FSDP wrote reads back on any number of ranks and any sharding.
+        DCP stores every tensor by name and global shape, so what one process, DDP,
+        FSDP or DeepSpeed wrote reads back on any number of ranks and any sharding.
         """
         state_dict, _ = _model_and_optimizer_state(lm, optimizer)
         dcp.save(state_dict, checkpoint_id=str(folder / "model"))
 
     def load(self, folder: Path, lm, optimizer) -> None:
         state_dict, inner = _model_and_optimizer_state(lm, optimizer)
-        try:
-            dcp.load(state_dict, storage_reader=safe_reader(folder / "model"))
-        except LitftError:
-            raise
-        except Exception as err:  # noqa: BLE001 - DCP's messages run to many lines
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise LitftError(f"checkpoint {folder} could not be read ({first[:300]}); resume from another checkpoint") from None
+        read_dcp(folder, state_dict)
         set_state_dict(
             lm.model, inner, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optimizer"],
             # Frozen weights are not in the checkpoint (they come from the model); dcp.load
             # above already failed on any trained tensor that was missing.
             options=StateDictOptions(ignore_frozen_params=True, strict=False),
         )
-
-    @classmethod
-    def read_trained(cls, checkpoint: Path, meta) -> TrainedTensors:
-        """The trained tensors of a checkpoint this strategy wrote, by name, for ``litft convert``."""
-        return dcp_trained_tensors(checkpoint)
 
     # ------------------------------------------------------------ for litft estimate
 

@@ -1,31 +1,34 @@
 """DeepSpeed ZeRO stages 0-3 through Lightning's DeepSpeed strategy, on GPUs and on CPU processes.
 
 DeepSpeed is an optional dependency: it is imported only once this strategy sets
-up a run (or reads one of its checkpoints), so litft works without it installed.
+up a run, so litft works without it installed. Its checkpoints are litft's DCP
+layout, the same as every other strategy's (``deepspeed_state``).
 """
 
 import argparse
 import importlib.util
 import json
 import os
-import pickle
-import re
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.fabric.utilities.seed import reset_seed
+from transformers import AutoModelForCausalLM
+from transformers.initialization import no_init_weights
 
-from litft.checkpoint.format import TrainedTensors
 from litft.cluster import process_group_timeout
 from litft.config import DeepSpeedArgs, Layout, TrainArgs
-from litft.device import compute_dtype
+from litft.device import compute_dtype, param_dtype, release_freed_host_memory
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
-from litft.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes
+from litft.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes, read_dcp
 from litft.strategies.ddp import whole_model_states
+from litft.strategies.deepspeed_state import RowShards, empty_state, restore_training_state, trained_parameters, training_state, unsharded_entries
+from litft.weights import CheckpointWeights, Materializer
 
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
 # DeepSpeed's own defaults (deepspeed.runtime.zero.config), used when the config leaves them out.
@@ -162,37 +165,49 @@ class DeepSpeedAnyDevice(DeepSpeedStrategy):
         return super().backward(tensor, module, *args, scale_wrt_gas=False, **kwargs)
 
 
-@contextmanager
-def safe_loading():
-    """DeepSpeed reads its files with full pickle; inside this block every ``torch.load`` is ``weights_only=True``.
+class PartitionedFill:
+    """Gives a model built under ``zero.Init`` its first values, one module at a time.
 
-    Its files hold tensors, plain containers and a few DeepSpeed records (the ZeRO
-    stage enum, the fp16 loss scalers, the address of a parameter's fragment in a
-    flat partition), which are the only globals allowed.
+    A module's parameters are whole on every rank only while it is filled. Rank 0
+    computes them as ``Materializer`` does under every other strategy (the
+    checkpoint's tensor, or the seeded init of the tensor's name), and leaving
+    ``GatheredParameters`` sends them to every rank's partition; the values of the
+    other ranks are dropped. Buffers and LoRA adapters (ordinary tensors until
+    ``deepspeed.initialize``) are the same on every rank and filled on each.
     """
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
 
-    allowed = [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
-    original = torch.load
+    def __init__(self, materializer: Materializer, root: torch.nn.Module, dtype: torch.dtype):
+        self.materializer, self.root, self.dtype = materializer, root, dtype
 
-    def load(*args, **kwargs):
-        kwargs["weights_only"] = True
-        with torch.serialization.safe_globals(allowed):
-            return original(*args, **kwargs)
+    @torch.no_grad()
+    def __call__(self, part: torch.nn.Module) -> None:
+        from deepspeed import comm
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-    torch.load = load
-    try:
-        yield
-    except pickle.UnpicklingError as err:
-        unsafe = re.search(r"GLOBAL (\S+)", str(err))
-        raise LitftError(
-            f"refusing to unpickle {unsafe.group(1) if unsafe else 'an object'} from DeepSpeed's files; "
-            "only tensors and DeepSpeed's own records are read"
-        ) from None
-    finally:
-        torch.load = original
+        first = comm.get_rank() == 0
+        module_names = {id(m): n for n, m in self.root.named_modules(remove_duplicate=False)}
+        done = set()  # a tied parameter is filled once, under its first module
+        for module in part.modules():
+            partitioned = {a: p for a, p in module._parameters.items() if hasattr(p, "ds_id") and id(p) not in done}
+            done.update(id(p) for p in partitioned.values())
+            local = [(kind, a, t) for kind in ("_parameters", "_buffers") for a, t in getattr(module, kind).items()
+                     if t is not None and not hasattr(t, "ds_id")]
+            slots = [(kind, a, _template(t.shape, t.dtype, t.requires_grad), t) for kind, a, t in local]
+            if first:
+                slots += [("_parameters", a, _template(p.ds_shape, self.dtype, p.requires_grad), p) for a, p in partitioned.items()]
+            with GatheredParameters(list(partitioned.values()), modifier_rank=0):
+                if slots:
+                    self.materializer.fill_slots(module_names.get(id(module), ""), module, slots)
+                if first:
+                    for attr, param in partitioned.items():
+                        param.data.copy_(module._parameters[attr].data)
+                        module._parameters[attr] = param
+            if partitioned:
+                release_freed_host_memory()
+
+
+def _template(shape, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
 
 
 class DeepSpeed(TrainingStrategy):
@@ -201,13 +216,14 @@ class DeepSpeed(TrainingStrategy):
     name = "DeepSpeed"
     options = "deepspeed"
     compiles = False  # ZeRO's parameter hooks inside compiled blocks are not tested here
-    checkpoint_format = "deepspeed"
 
     def __init__(self, layout: Layout, accelerator: str, precision: str, train: TrainArgs):
         super().__init__(layout, accelerator, precision, train)
         self.backend = "nccl" if accelerator == "cuda" else "gloo"  # DeepSpeed's communication layer takes one backend
         self.config = deepspeed_config(layout.deepspeed, train, layout.world_size, precision)
         self.stage = int(self.config["zero_optimization"].get("stage", 0))
+        self._dtype = param_dtype(precision)  # what the other strategies fill the weights in
+        self._shards: Optional[RowShards] = None
 
     @classmethod
     def check(cls, layout: Layout, accelerator: str, precision: str) -> None:
@@ -238,6 +254,30 @@ class DeepSpeed(TrainingStrategy):
             # Read when deepspeed is first imported; without it DeepSpeed looks for CUDA.
             os.environ["DS_ACCELERATOR"] = "cpu"
         return DeepSpeedAnyDevice(config=self.config, process_group_backend=self.backend, timeout=process_group_timeout())
+
+    def structure(self, config, dtype: torch.dtype) -> torch.nn.Module:
+        """ZeRO-3 partitions every module's parameters as soon as the module is built: no rank ever holds the whole model.
+
+        Every rank builds the same modules in the same order (each partition is a
+        broadcast). The dtype follows the config's bf16/fp16 sections, as DeepSpeed
+        casts the module at ``deepspeed.initialize`` anyway. transformers' init is
+        skipped (the filler gives every value), so tied weights are tied here.
+        """
+        if self.stage != 3:
+            return super().structure(config, dtype)
+        import deepspeed
+
+        self._dtype = dtype
+        with deepspeed.zero.Init(config_dict_or_path=self.config), no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.tie_weights()
+        release_freed_host_memory()
+        return model
+
+    def filler(self, lm, weights: Optional[CheckpointWeights], seed: int) -> Fill:
+        if self.stage != 3:
+            return super().filler(lm, weights, seed)
+        return PartitionedFill(Materializer(lm.model, lm.hf_model, weights, seed), lm.model, self._dtype)
 
     def setup(self, fabric, lm, fill: Fill, on_device: bool):
         """DeepSpeed takes model and optimizer together; its buckets are sized to the model now that it is known."""
@@ -284,46 +324,31 @@ class DeepSpeed(TrainingStrategy):
     def trained_shapes(self, lm) -> Dict[str, List[int]]:
         return {name: list(getattr(p, "ds_shape", None) or p.shape) for name, p in lm.model.named_parameters() if p.requires_grad}
 
-    # ------------------------------------------------------------ checkpoints: DeepSpeed's own files
+    # ------------------------------------------------------------ checkpoints: litft's layout (deepspeed_state)
 
     def checkpoint_fields(self) -> dict:
         return {**super().checkpoint_fields(), "zero_stage": self.stage}
 
-    def check_resume(self, path: Path, stored, world_size: int) -> None:
-        if stored.world_size != world_size or stored.zero_stage != self.stage:
-            raise LitftError(
-                f"checkpoint {path} holds DeepSpeed ZeRO-{stored.zero_stage} partitions of {stored.world_size} ranks; resume on "
-                f"{stored.world_size} ranks with --deepspeed.stage {stored.zero_stage} (this run: {world_size} ranks, stage {self.stage})"
-            )
+    def _row_shards(self) -> RowShards:
+        if self._shards is None:
+            self._shards = RowShards(torch.device("cpu") if self.backend == "gloo" else self.fabric.device)
+        return self._shards
 
     def save(self, folder: Path, lm, optimizer) -> None:
-        exclude_frozen = any(not p.requires_grad for p in lm.parameters())
-        self.fabric.strategy.model.save_checkpoint(
-            str(folder), tag="deepspeed", client_state={}, save_latest=False, exclude_frozen_parameters=exclude_frozen
-        )
+        """Each trained tensor split by rows over the ranks, under the names a plain AdamW run's state has."""
+        ds_optimizer = self.fabric.strategy.model.optimizer
+        state = training_state(trained_parameters(lm.model), ds_optimizer, self._row_shards(), unsharded_entries(lm.model))
+        dcp.save(state, checkpoint_id=str(folder / "model"))
 
     def load(self, folder: Path, lm, optimizer) -> None:
-        try:
-            with safe_loading():
-                loaded, _ = self.fabric.strategy.model.load_checkpoint(
-                    str(folder), tag="deepspeed", load_module_strict=False, load_optimizer_states=True, load_lr_scheduler_states=False
-                )
-        except LitftError as err:
-            raise LitftError(f"checkpoint {folder}: {err}") from None
-        if loaded is None:
-            raise LitftError(f"checkpoint {folder}: DeepSpeed found no state to load in {folder / 'deepspeed'}")
-
-    @classmethod
-    def read_trained(cls, checkpoint: Path, meta) -> TrainedTensors:
-        """ZeRO's fp32 partitions consolidated, or stage 0's module state as saved: the whole trained tensors."""
-        with safe_loading():
-            if meta.zero_stage == 0:
-                state = torch.load(checkpoint / "deepspeed" / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
-            else:
-                from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-                state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="deepspeed")
-        return TrainedTensors.whole({k.removeprefix("model."): v for k, v in state.items()})
+        """Whatever strategy, stage and world size wrote it: read this rank's rows, then each parameter whole, one at a time."""
+        named, shards = trained_parameters(lm.model), self._row_shards()
+        ds_optimizer = self.fabric.strategy.model.optimizer
+        shapes = {name: torch.Size(shape) for name, shape in self.trained_shapes(lm).items()}
+        state = empty_state(named, ds_optimizer, shards, shapes)
+        read_dcp(folder, state)
+        restore_training_state(named, ds_optimizer, shards, state)
+        self.fabric.strategy.model.global_steps = int(state["optimizer"]["state"][named[0][0][0]]["step"])
 
     # ------------------------------------------------------------ for litft estimate
 

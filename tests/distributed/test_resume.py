@@ -1,12 +1,15 @@
-"""Resuming sharded runs in real gloo processes: same topology, 4 -> 2 -> 1 ranks, FULL_SHARD -> HYBRID_SHARD, DeepSpeed ZeRO-3."""
+"""Resuming sharded runs in real gloo processes: same topology, 4 -> 2 -> 1 ranks, FULL_SHARD -> HYBRID_SHARD, DeepSpeed ZeRO-3 -> one rank -> ZeRO-2 and -> no DeepSpeed."""
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_cli
+from tests.conftest import ROOT, read_metrics, run_cli
 
 COMMON = [
     "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8",
@@ -41,6 +44,19 @@ def assert_close_losses(expected, got, steps):
         assert abs(expected[step] - got[step]) <= 1e-5 * abs(expected[step]), (step, expected, got)
 
 
+def assert_chain_sees_each_sample_once(whole, middle, last):
+    """Steps 1-2 of ``whole``, 3-4 of ``middle`` and 5-6 of ``last`` trained, step by step, the samples ``whole`` trained: each once."""
+    reference = samples_by_step(whole)
+    chained = {s: ids for s, ids in reference.items() if s <= 2}
+    chained.update({s: ids for s, ids in samples_by_step(middle).items() if s in (3, 4)})
+    chained.update(samples_by_step(last))
+    assert sorted(chained) == list(range(1, 7))
+    for step in range(1, 7):
+        assert sorted(chained[step]) == sorted(reference[step]) and len(set(chained[step])) == 8, step
+    seen = Counter(i for ids in chained.values() for i in ids)
+    assert max(seen.values()) == 1 and len(seen) == 48  # one epoch of 64: none twice, none skipped
+
+
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     """FULL_SHARD on 4 ranks, 6 steps, checkpoints at 2, 4 and 6: the uninterrupted reference."""
@@ -72,15 +88,7 @@ def test_topology_change_4_to_2_to_1_sees_every_sample_once(four_ranks, tmp_path
     assert_close_losses(reference, losses(two), [3, 4, 5, 6])
     assert_close_losses(reference, losses(one), [5, 6])
     # Sample accounting, from what each rank recorded it trained on.
-    whole = samples_by_step(four_ranks)
-    chained = {s: ids for s, ids in samples_by_step(four_ranks).items() if s <= 2}
-    chained.update({s: ids for s, ids in samples_by_step(two).items() if s in (3, 4)})
-    chained.update(samples_by_step(one))
-    assert sorted(chained) == list(range(1, 7))
-    for step in range(1, 7):
-        assert sorted(chained[step]) == sorted(whole[step]) and len(set(chained[step])) == 8, step
-    seen = Counter(i for ids in chained.values() for i in ids)
-    assert max(seen.values()) == 1 and len(seen) == 48  # one epoch of 64: none twice, none skipped
+    assert_chain_sees_each_sample_once(four_ranks, two, one)
 
 
 def test_convert_fsdp_checkpoint_matches_training_export(four_ranks, tmp_path):
@@ -97,18 +105,83 @@ def test_convert_fsdp_checkpoint_matches_training_export(four_ranks, tmp_path):
     torch.testing.assert_close(ours, trained, rtol=0, atol=1e-6)
 
 
+# Runs litft with deepspeed.initialize patched to record, on every rank, how much of each
+# parameter the rank holds when ZeRO is handed the model (after the fill).
+RECORD_PARTITIONS = """
+import json, os, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed
+import torch.distributed as dist
+initialize = deepspeed.initialize
+def recording(*args, model=None, **kwargs):
+    held = {n: [p.numel(), getattr(p, "ds_numel", None), p.ds_tensor.numel() if hasattr(p, "ds_tensor") else None]
+            for n, p in model.named_parameters()}
+    with open(os.path.join(os.environ["PARTITIONS"], f"rank-{dist.get_rank()}.json"), "w") as f:
+        json.dump(held, f)
+    return initialize(*args, model=model, **kwargs)
+deepspeed.initialize = recording
+from litft.__main__ import main
+main(sys.argv[1:])
+"""
+ZERO3 = ["--strategy", "deepspeed", "--deepspeed.stage", "3"]
+
+
+@pytest.fixture(scope="module")
+def zero3_two_ranks(tmp_path_factory):
+    """ZeRO-3 on 2 ranks, 6 steps, checkpoints at 2, 4 and 6, each rank's parameter partitions recorded: the reference."""
+    root = tmp_path_factory.mktemp("zero3")
+    script, out = root / "record_partitions.py", root / "run"
+    script.write_text(RECORD_PARTITIONS)
+    env = dict(os.environ, PARTITIONS=str(root), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    args = ["finetune_full", *COMMON, *ZERO3, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", str(out)]
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(list((checkpoint(out, 2) / "model").glob("*.distcp"))) == 2  # litft's DCP layout, not DeepSpeed's files
+    return out, [json.loads((root / f"rank-{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_zero3_never_holds_the_whole_model_before_deepspeed_initialize(zero3_two_ranks):
+    """Built under zero.Init and filled module by module: every weight is already a partition of half when ZeRO gets it."""
+    _, ranks = zero3_two_ranks
+    for held in ranks:
+        assert len(held) == 38  # litft-tiny: every weight, each partitioned (the tied embedding once)
+        for name, (local, whole, partition) in held.items():
+            assert local == 0 and whole > 0 and partition == -(-whole // 2), (name, local, whole, partition)
+    assert sum(p for _, _, p in ranks[0].values()) <= 0.51 * sum(w for _, w, _ in ranks[0].values())
+
+
+def test_zero3_resumes_on_one_rank_then_at_stage_2_and_sees_every_sample_once(zero3_two_ranks, tmp_path):
+    """ZeRO-3 on 2 ranks -> ZeRO-3 on 1 rank -> ZeRO-2 on 2 ranks, from the same data position, as if never stopped."""
+    whole, _ = zero3_two_ranks
+    one, stage2 = tmp_path / "one", tmp_path / "stage2"
+    run_cli("finetune_full", *COMMON, *ZERO3, "--devices", "1", "--train.micro_batch_size", "8", "--out_dir", one,
+            "--resume", checkpoint(whole, 2))
+    run_cli("finetune_full", *COMMON, "--strategy", "deepspeed", "--deepspeed.stage", "2", "--devices", "2",
+            "--train.micro_batch_size", "2", "--out_dir", stage2, "--resume", checkpoint(one, 4))
+    reference = losses(whole)
+    assert sorted(losses(one)) == [3, 4, 5, 6] and sorted(losses(stage2)) == [5, 6]
+    assert_close_losses(reference, losses(one), [3, 4, 5, 6])
+    assert_close_losses(reference, losses(stage2), [5, 6])
+    assert_chain_sees_each_sample_once(whole, one, stage2)
+
+
+def test_zero3_checkpoint_resumes_in_one_plain_process(zero3_two_ranks, tmp_path):
+    """DeepSpeed writes the layout a plain AdamW run reads: the run continues without DeepSpeed."""
+    whole, _ = zero3_two_ranks
+    run_cli("finetune_full", *COMMON, "--train.micro_batch_size", "8", "--out_dir", tmp_path / "plain", "--resume", checkpoint(whole, 4))
+    assert sorted(losses(tmp_path / "plain")) == [5, 6]
+    assert_close_losses(losses(whole), losses(tmp_path / "plain"), [5, 6])
+
+
 def test_deepspeed_zero3_lora_resume_and_convert(tmp_path):
-    args = [*COMMON, "--strategy", "deepspeed", "--deepspeed.stage", "3", "--lora_r", "4", "--lora_dropout", "0.1",
-            "--train.max_steps", "4", "--train.micro_batch_size", "2"]
+    """LoRA with dropout under ZeRO-3: the adapters' states and every rank's generators come back; convert reads the checkpoint."""
+    args = [*COMMON, *ZERO3, "--lora_r", "4", "--lora_dropout", "0.1", "--train.max_steps", "4", "--train.micro_batch_size", "2"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run_cli("finetune_lora", *args, "--devices", "2", "--out_dir", whole)
-    assert len(list((checkpoint(whole, 2) / "deepspeed").glob("*optim_states.pt"))) == 2
+    assert len(list((checkpoint(whole, 2) / "model").glob("*.distcp"))) == 2
     run_cli("finetune_lora", *args, "--devices", "2", "--out_dir", resumed, "--resume", checkpoint(whole, 2))
     assert sorted(losses(resumed)) == [3, 4]
     assert_close_losses(losses(whole), losses(resumed), [3, 4])
-
-    proc = run_cli("finetune_lora", *args, "--devices", "1", "--out_dir", tmp_path / "one", "--resume", checkpoint(whole, 2), check=False)
-    assert proc.returncode == 2 and "holds DeepSpeed ZeRO-3 partitions of 2 ranks; resume on 2 ranks" in proc.stderr.splitlines()[-1]
 
     from safetensors.torch import load_file
 
