@@ -1,19 +1,23 @@
 """``litft <command> ...``: each subcommand is a function; its signature is the CLI and the YAML schema."""
 
+import os
 import re
 import sys
 
 from jsonargparse import CLI, ArgumentParser, set_parsing_settings
 
 import litft.data  # noqa: F401  (registers the --data choices)
-from litft.checkpoint.convert import convert
+from litft.chat import chat, generate
+from litft.checkpoint.convert import convert, merge_lora
 from litft.errors import LitftError
 from litft.estimate import estimate
 from litft.jobs import JOBS
+from litft.launchers import without_local_rank_argument
+from litft.ray_launch import die_with_parent, inside_worker
 
 
 def parser_jobs() -> dict:
-    return {**JOBS, "convert": convert, "estimate": estimate}
+    return {**JOBS, "convert": convert, "merge_lora": merge_lora, "estimate": estimate, "chat": chat, "generate": generate}
 
 
 def configure_jsonargparse() -> None:
@@ -37,8 +41,11 @@ class OneLineErrors(ArgumentParser):
 
 
 def main(argv=None) -> None:
+    if inside_worker():
+        die_with_parent()  # a Ray worker's training ends with its actor
     configure_jsonargparse()
     try:
+        argv = without_local_rank_argument(sys.argv[1:] if argv is None else list(argv))
         CLI(parser_jobs(), args=argv, as_positional=True, parser_class=OneLineErrors)
     except LitftError as err:
         print(f"litft: error: {err}", file=sys.stderr)
