@@ -28,6 +28,7 @@ from litft.flags import GENERATION, PROMPT, TRAINED_MODEL, command
 from litft.model import load_tokenizer, resolve_model
 
 ANSWER_STAND_IN = "x"  # the answer's turn is rendered with a stand-in, to find where the prompt ends
+LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines splits on
 HELP = "Ctrl-D or /exit quits, /reset starts a new conversation, Ctrl-C stops an answer"
 
 
@@ -135,8 +136,11 @@ def _to_terminal(text: str) -> None:
 
 
 def one_line(text: str) -> str:
-    """An answer on one line of output: its line breaks written as \\n (and backslashes doubled, so it reads back)."""
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
+    """An answer on one line of output: line breaks written as Python escapes (\\n), backslashes doubled, so it reads back."""
+    text = text.replace("\\", "\\\\")
+    for breaks in LINE_BREAKS:
+        text = text.replace(breaks, breaks.encode("unicode_escape").decode())
+    return text
 
 
 def interactive(conversation: Conversation) -> None:
