@@ -99,3 +99,13 @@ def describe(implementation: str, accelerator: str) -> str:
     if implementation == "flash_attention_2":
         return "attention: flash_attention_2 (varlen from the position ids; samples of a row kept apart without a mask)"
     return f"attention: {implementation} (padded batches; packed rows need a dense block-diagonal mask)"
+
+
+def choose_kernels(requested: str, accelerator: str) -> bool:
+    """Whether Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU) replace the model's own: ``--kernels``."""
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    if requested == "liger" and not installed:
+        raise LitftError("--kernels liger needs liger-kernel: pip install 'litft[kernels]' (or drop --kernels)")
+    if requested == "liger" and accelerator != "cuda":
+        raise LitftError("--kernels liger runs Triton kernels on a GPU; on the CPU use --kernels none")
+    return requested == "liger" or (requested == "auto" and installed and accelerator == "cuda")

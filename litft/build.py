@@ -15,14 +15,15 @@ from transformers.quantizers import AutoHfQuantizer
 from litft.config import LoraArgs, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.lora import apply_lora, quantization_config
+from litft.loss import fuse_target_loss
 from litft.model import CausalLM, load_causal_lm, load_config
 from litft.strategies.base import Fill, TrainingStrategy
-from litft.weights import CheckpointWeights, locate_checkpoint, skeleton
+from litft.weights import CheckpointWeights, locate_checkpoint, skeleton, transformer_blocks
 
 
 def build_model(
     config, precision: str, lora: Optional[LoraArgs], gradient_checkpointing: bool, *, source: Optional[str] = None, device=None,
-    attention: Optional[str] = None, structure: Callable = skeleton,
+    attention: Optional[str] = None, structure: Callable = skeleton, liger: bool = False,
 ):
     """The job's model: its structure (on the meta device, or as the strategy builds it), LoRA applied.
 
@@ -42,6 +43,8 @@ def build_model(
             model.is_loaded_in_4bit = True  # what loading the weights would set; peft reads it
     if attention is not None:
         model.set_attn_implementation(attention)
+    if liger:
+        use_liger_kernels(model)
     with warnings.catch_warnings():
         # peft asks transformers 5 for is_gradient_checkpointing, which it has renamed; advice for peft, not the user.
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -49,12 +52,23 @@ def build_model(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
             model = apply_lora(model, lora, gradient_checkpointing)
+    fuse_target_loss(model.get_base_model() if lora is not None else model)
     return model
+
+
+def use_liger_kernels(model) -> None:
+    """Liger's fused norm, rotary and MLP kernels in the model (an optional extra, imported only when asked for).
+
+    Only those: the loss on target tokens is litft's own (litft.loss).
+    """
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
 
 
 def build_module(
     source: str, precision: str, lora: Optional[LoraArgs], train: TrainArgs, total_steps: int, *, random_init: bool, seed: int, device,
-    strategy: TrainingStrategy, attention: Optional[str] = None,
+    strategy: TrainingStrategy, attention: Optional[str] = None, compile: bool = False, liger: bool = False,
 ) -> Tuple[CausalLM, Fill, bool]:
     """The LightningModule, the fill that gives its tensors their first values, and whether it is already on ``device``.
 
@@ -63,9 +77,13 @@ def build_module(
     """
     model = build_model(
         load_config(source), precision, lora, train.gradient_checkpointing, source=source, device=device, attention=attention,
-        structure=strategy.structure,
+        structure=strategy.structure, liger=liger,
     )
     lm = CausalLM(model, train, total_steps=total_steps)
+    if compile:
+        # Each block on its own, before any strategy wraps or shards it; compiled lazily, at its first call.
+        for block in transformer_blocks(lm.hf_model):
+            block.compile()
     if lora is not None and lora.quantize is not None:
         return lm, lambda part: None, True
     weights = None if random_init else CheckpointWeights(locate_checkpoint(source))

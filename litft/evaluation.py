@@ -10,7 +10,7 @@ from litft.model import target_tokens
 
 
 @torch.no_grad()
-def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batches: Optional[int], pad_id: int) -> float:
+def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batches: Optional[int], pad_id: int, padding_free: bool = False) -> float:
     """Token-mean loss over the validation set, every sample counted once across ranks."""
     module.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=fabric.device)
@@ -19,7 +19,7 @@ def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batc
             break
         # Every rank makes the same number of forward passes (wrapped forwards may communicate);
         # a rank out of samples runs sample 0 and does not count it.
-        batch = fabric.to_device(collate([data.val[i] for i in (idx or [0])], pad_id))
+        batch = fabric.to_device(collate([data.val[i] for i in (idx or [0])], pad_id, padding_free))
         with fabric.autocast():
             loss = module.validation_step(batch).double()
         if idx:

@@ -82,6 +82,14 @@ ATTENTION = Flag(
     "attn_implementation", Literal["auto", "litft_segments", "flash_attention_2", "sdpa", "eager"], "auto",
     "Attention kernel: auto is flash_attention_2 where flash-attn is installed, else litft_segments (samples of a row kept apart without a mask); sdpa or eager need a dense mask for packed rows.",
 )
+COMPILE = Flag(
+    "compile", bool, False,
+    "torch.compile every transformer block before sharding (off by default: on the CPU compiling costs more than it saves, benchmarks/vs_hf_trainer.py; not yet measured on GPUs).",
+)
+KERNELS = Flag(
+    "kernels", Literal["auto", "liger", "none"], "auto",
+    "Fused Triton kernels of liger-kernel for RMSNorm, RoPE and SwiGLU (pip install 'litft[kernels]'): auto uses them on a GPU where installed.",
+)
 QUANTIZE = Flag("quantize", Optional[Quantize], None, "Load the frozen base in 4 bits with bitsandbytes (QLoRA); -dq also quantizes the scales.")
 LORA_R = Flag("lora_r", int, 8, "Rank of the adapters.")
 LORA_ALPHA = Flag("lora_alpha", int, 16, "Adapter scale numerator (the update is scaled by alpha / r).")
@@ -103,7 +111,7 @@ RESUME = Flag(
 
 # Where the processes run and how they split the model: every job and litft estimate.
 PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, ACCELERATOR]
-MODEL_OPTIONS = [ATTENTION]
+MODEL_OPTIONS = [ATTENTION, COMPILE, KERNELS]
 LORA = [QUANTIZE, LORA_R, LORA_ALPHA, LORA_DROPOUT, LORA_TARGETS]
 RUN_CONTROL = [SEED, OVERWRITE, RESUME]
 JOB = Literal["finetune_lora", "finetune_full", "pretrain"]

@@ -35,6 +35,8 @@ class RunSpec:
     eval: EvalArgs
     seed: int = 42
     attn_implementation: str = "auto"
+    compile: bool = False
+    kernels: str = "auto"
     lora: Optional[LoraArgs] = None
     tokenizer: Optional[str] = None
     random_init: bool = False
@@ -54,7 +56,8 @@ class RunSpec:
         layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"])
         common = dict(
             job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
-            accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
+            accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], compile=flags["compile"], kernels=flags["kernels"],
+            layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
             lora=lora, overwrite=flags["overwrite"], resume=flags["resume"], launcher=flags["launcher"],
             recorded=config_of({k: v for k, v in flags.items() if k not in ("overwrite", "resume")}),
         )

@@ -134,7 +134,9 @@ def validate_and_log(trainer: "Trainer", scoring: bool) -> None:
     trainer.watch.at(state.step, "validating")
     metrics = {}
     if data.val:
-        metrics["val_loss"] = validate(fabric, trainer.module, data, spec.train.micro_batch_size, spec.eval.max_batches, trainer.tokenizer.pad_token_id)
+        metrics["val_loss"] = validate(
+            fabric, trainer.module, data, spec.train.micro_batch_size, spec.eval.max_batches, trainer.tokenizer.pad_token_id, trainer.padding_free
+        )
         metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50))
     if scoring and spec.eval.score_samples:
         prompts = data.scoring[: spec.eval.score_samples]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+from torch._dynamo.utils import calculate_time_spent
 from tqdm import tqdm
 
 from litft.config import EvalArgs, TrainArgs
@@ -117,8 +118,9 @@ class Throughput:
         self.samples += samples
         self.flops += flops
 
-    def rates(self, world_size: int, peak: Optional[float]) -> Dict[str, float]:
-        elapsed = time.perf_counter() - self.started
+    def rates(self, world_size: int, peak: Optional[float], excluded_s: float = 0.0) -> Dict[str, float]:
+        """Rates over the window's wall time, less ``excluded_s`` (compilation) spent inside it."""
+        elapsed = max(time.perf_counter() - self.started - excluded_s, 1e-9)
         rates = {
             "tokens_per_s": self.tokens / elapsed,
             "tokens_per_s_per_device": self.tokens / elapsed / world_size,
@@ -174,12 +176,13 @@ class Progress:
 class StepMeter:
     """What every step logs (loss, lr, grad norm), what log steps add (rates, MFU, memory), and state bytes once."""
 
-    def __init__(self, fabric, strategy, train: TrainArgs, flops, total_steps: int, start_step: int):
-        self.fabric, self.strategy, self.train, self.flops = fabric, strategy, train, flops
+    def __init__(self, fabric, strategy, train: TrainArgs, flops, total_steps: int, start_step: int, compiled: bool = False):
+        self.fabric, self.strategy, self.train, self.flops, self.compiled = fabric, strategy, train, flops, compiled
         self.total_steps, self.start_step = total_steps, start_step
         self.window = Throughput()
         self.progress = Progress(fabric.is_global_zero, total_steps, start_step)
         self.grad_bytes = 0
+        self.compile_s = 0.0  # compilation time already taken out of earlier windows
 
     def before_optimizer_step(self, step: int, lm, optimizer) -> None:
         if step == self.start_step:  # gradients as the step sees them; zero_grad frees them
@@ -196,8 +199,11 @@ class StepMeter:
             metrics["loss"] = self.fabric.all_reduce(loss_sum, reduce_op="sum").item() / max(batch.targets, 1)
             if grad_norm is not None:
                 metrics["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            metrics.update(self.window.rates(self.fabric.world_size, self.flops.peak if self.flops else None))
+            compiled = calculate_time_spent().get("total_wall_time", 0.0) if self.compiled else 0.0
+            metrics.update(self.window.rates(self.fabric.world_size, self.flops.peak if self.flops else None, compiled - self.compile_s))
             metrics.update(peak_memory_by_rank(self.fabric))
+            if self.compiled:  # torch.compile's time so far, kept out of the rates
+                metrics["compile_s"], self.compile_s = compiled, compiled
             self.fabric.log_dict(metrics, step=state.step)
             self.progress.update(state.step, metrics)
             self.window = Throughput()

@@ -11,8 +11,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from litft.attention import PACKED_SAFE
 from litft.config import TrainArgs
-from litft.data.base import IGNORE_INDEX
+from litft.data.base import targets_of
 from litft.errors import LitftError
+from litft.loss import fused_head
 from litft.tiny import TINY_NAME, ensure_tiny_model
 
 
@@ -149,11 +150,17 @@ class CausalLM(L.LightningModule):
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
+        """Summed cross-entropy of the batch's target tokens: by the head itself on targets only where it can (litft.loss)."""
+        head, targets = fused_head(self.hf_model), batch.get("targets") or targets_of(batch["labels"])
+        if head is not None:
+            head.loss_targets = (targets["index"], targets["labels"])
+            try:
+                return self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
+            finally:
+                head.loss_targets = None
         logits = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
-        # Shift the labels, not the logits: slicing the logits copies the largest tensor of the
-        # step (and its gradient) once more; the last position's label is then ignored.
-        targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, targets["index"])
+        return F.cross_entropy(picked.float(), targets["labels"], reduction="sum")
 
     def training_step(self, batch: dict) -> torch.Tensor:
         return self.loss_sum(batch)
@@ -180,5 +187,5 @@ class CausalLM(L.LightningModule):
 
 
 def target_tokens(batch: dict) -> int:
-    """Tokens that carry loss in a batch (labels are shifted by one inside the loss)."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    """Tokens that carry loss in a batch (counted by collate, on the CPU)."""
+    return len(batch["targets"]["index"])

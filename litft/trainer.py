@@ -18,7 +18,9 @@ import torch
 import yaml
 from lightning.fabric.plugins.environments import LightningEnvironment
 
+from litft.attention import PACKED_SAFE
 from litft.attention import choose as choose_attention
+from litft.attention import choose_kernels
 from litft.attention import describe as describe_attention
 from litft.build import build_module
 from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
@@ -89,7 +91,10 @@ class Trainer:
             spec.resume = "auto"  # a launcher brought the run back: continue from its newest checkpoint
         accelerator = resolve_accelerator(spec.accelerator)
         precision = resolve_precision(spec.precision, accelerator)
-        strategy = checked_strategy_class(layout, accelerator, precision)(layout, accelerator, precision, spec.train)
+        chosen = checked_strategy_class(layout, accelerator, precision)
+        if spec.compile and not chosen.compiles:
+            raise LitftError(f"--compile true is not supported under {chosen.name}; drop --compile or use --strategy fsdp or ddp")
+        strategy = chosen(layout, accelerator, precision, spec.train)
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
             precision=precision, loggers=make_loggers(spec.out_dir), plugins=plugins,
@@ -130,7 +135,8 @@ class Trainer:
         fabric.print(describe_attention(attention, fabric.device.type))
         self.lm, fill, on_device = build_module(
             source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed,
-            device=fabric.device, strategy=self.strategy, attention=attention,
+            device=fabric.device, strategy=self.strategy, attention=attention, compile=spec.compile,
+            liger=choose_kernels(spec.kernels, fabric.device.type),
         )
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
         keep_rotary_fp32(self.lm)
@@ -152,10 +158,11 @@ class Trainer:
         self.start_step = self.stops.start_step = self.state.step
         train = spec.train
         self.order = SampleOrder(len(data.train), train.global_batch_size, train.micro_batch_size, fabric.global_rank, fabric.world_size, spec.seed)
-        self.batches = StepBatches(data.train, self.order, self.tokenizer.pad_token_id, pin=fabric.device.type == "cuda")
+        self.padding_free = attention in PACKED_SAFE  # samples end to end in one row, no padding computed
+        self.batches = StepBatches(data.train, self.order, self.tokenizer.pad_token_id, self.padding_free, pin=fabric.device.type == "cuda")
         self.cadence = Cadence(self.total_steps, spec.eval, train.save_interval, train.max_tokens)
         self.flops = StepFlops.for_run(self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print)
-        self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step)
+        self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step, compiled=spec.compile)
         samples = spec.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
         self.sample_log = SampleLog(samples if train.record_sample_ids else None)
 

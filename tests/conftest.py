@@ -37,9 +37,9 @@ def tokenizer(tiny_dir):
     return load_tokenizer(str(tiny_dir))
 
 
-def run_cli(*args, timeout=300, check=True):
-    """Run ``python -m litft`` in a fresh process, as a user would."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_cli(*args, timeout=300, check=True, env=None):
+    """Run ``python -m litft`` in a fresh process, as a user would (``env``: variables added to this one's)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.run(
         [sys.executable, "-m", "litft", *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
     )

@@ -182,32 +182,49 @@ def pack(samples: List[Sample], max_length: int) -> List[Sample]:
     return packed
 
 
-def collate(samples: List[Sample], pad_id: int) -> Dict[str, torch.Tensor]:
-    """Right-pad a micro-batch; padding carries no loss, and its positions count on from the row's last sample.
+def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> Dict[str, torch.Tensor]:
+    """One micro-batch: its samples end to end in one row (``padding_free``), or right-padded rows.
 
-    Every batch carries position ids and no attention mask: with right padding the
-    real tokens never see the pad tokens. Positions that count on through the
-    padding are what lets transformers skip the mask altogether (a reset reads as a
-    packed row and costs a dense S x S mask); packed rows restart them per sample.
-    The varlen arguments say where each sample starts, for attention that keeps the
-    samples of a row apart without a mask.
+    Every batch carries position ids and no attention mask. A padding-free row's
+    positions restart at every sample and its attention keeps the samples apart
+    (``litft.attention``); a sample's first token is not trained on the sample before
+    it. Padding carries no loss, and its positions count on from the row's last
+    sample: a reset would read as a packed row and cost a dense S x S mask. Beside the
+    tokens: where each sample starts (varlen), and the flat positions of the tokens
+    that carry loss with the tokens they predict (for the loss on targets only).
     """
-    width = max(len(s["input_ids"]) for s in samples)
-    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
-    position_ids = torch.zeros((len(samples), width), dtype=torch.long)
-    for row, sample in enumerate(samples):
-        n = len(sample["input_ids"])
-        input_ids[row, :n] = sample["input_ids"]
-        labels[row, :n] = sample["labels"]
-        position_ids[row, :n] = sample.get("position_ids", torch.arange(n))
-        position_ids[row, n:] = torch.arange(width - n) + position_ids[row, n - 1] + 1
-    ids = torch.stack([torch.as_tensor(s["id"]) for s in samples])
-    num_tokens = torch.tensor(sum(len(s["input_ids"]) for s in samples))
+    if padding_free:
+        labels = [s["labels"].clone() for s in samples]
+        for later in labels[1:]:
+            later[0] = IGNORE_INDEX
+        input_ids = torch.cat([s["input_ids"] for s in samples])[None]
+        labels = torch.cat(labels)[None]
+        position_ids = torch.cat([s.get("position_ids", torch.arange(len(s["input_ids"]))) for s in samples])[None]
+    else:
+        width = max(len(s["input_ids"]) for s in samples)
+        input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros((len(samples), width), dtype=torch.long)
+        for row, sample in enumerate(samples):
+            n = len(sample["input_ids"])
+            input_ids[row, :n] = sample["input_ids"]
+            labels[row, :n] = sample["labels"]
+            position_ids[row, :n] = sample.get("position_ids", torch.arange(n))
+            position_ids[row, n:] = torch.arange(width - n) + position_ids[row, n - 1] + 1
     return {
-        "input_ids": input_ids, "labels": labels, "position_ids": position_ids, "ids": ids, "num_tokens": num_tokens,
+        "input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+        "ids": torch.stack([torch.as_tensor(s["id"]) for s in samples]),
+        "num_tokens": torch.tensor(sum(len(s["input_ids"]) for s in samples)),
         "varlen": cumulative_lengths(position_ids),
+        "targets": targets_of(labels),
     }
+
+
+def targets_of(labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The flat positions of the tokens that carry loss, and the tokens they predict: token t predicts label t + 1."""
+    predicted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten()
+    index = (predicted != IGNORE_INDEX).nonzero().flatten()
+    return {"index": index, "labels": predicted[index]}
 
 
 def sample_lengths(position_ids: torch.Tensor) -> torch.Tensor:
@@ -267,6 +284,13 @@ class SampleOrder:
         return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
 
 
+def _pinned(batch):
+    """The batch in page-locked memory, so that its copy to the GPU does not wait for the host."""
+    if torch.is_tensor(batch):
+        return batch.pin_memory()
+    return {k: _pinned(v) for k, v in batch.items()} if isinstance(batch, dict) else batch
+
+
 class StepBatches:
     """This rank's collated micro-batches of every step, made one step ahead on a worker thread.
 
@@ -275,16 +299,16 @@ class StepBatches:
     ``SampleOrder``'s pure function of (epoch, step).
     """
 
-    def __init__(self, samples: List[Sample], order: "SampleOrder", pad_id: int, pin: bool = False):
-        self.samples, self.order, self.pad_id, self.pin = samples, order, pad_id, pin
+    def __init__(self, samples: List[Sample], order: "SampleOrder", pad_id: int, padding_free: bool = False, pin: bool = False):
+        self.samples, self.order, self.pad_id, self.padding_free, self.pin = samples, order, pad_id, padding_free, pin
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="litft-collate")
         self.ahead = None
 
     def make(self, epoch: int, step: int):
         indices = self.order.micro_batches(epoch, step)
-        micro = [collate([self.samples[i] for i in idx], self.pad_id) for idx in indices]
+        micro = [collate([self.samples[i] for i in idx], self.pad_id, self.padding_free) for idx in indices]
         if self.pin:
-            micro = [{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in b.items()} for b in micro]
+            micro = [_pinned(b) for b in micro]
         return indices, micro
 
     def get(self, epoch: int, step: int):

@@ -183,7 +183,9 @@ def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int) -
     with fake_mode:
         tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
         # Rows of one sequence each (position ids 0..n-1, as unpacked data has them; transformers then makes them itself).
-        batch = {"input_ids": tokens, "labels": tokens, "position_ids": None}
+        # Every token but each row's last carries loss (the index is made without reading the fake tokens).
+        index = torch.arange(micro_batch_size * seq_len).reshape(micro_batch_size, seq_len)[:, :-1].flatten()
+        batch = {"input_ids": tokens, "labels": tokens, "position_ids": None, "targets": {"index": index, "labels": tokens.flatten()[index]}}
         cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
         # The loop's shape: forward and backward inside one autocast region, which caches weight casts for both.
         with _masks_as_in_real_steps(), ledger.mode(), cast:

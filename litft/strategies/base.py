@@ -49,6 +49,7 @@ class TrainingStrategy:
     """The interface, with what one process and DDP do; FSDP and DeepSpeed override what differs."""
 
     name: ClassVar[str]
+    compiles: ClassVar[bool] = True  # torch.compile of each block works under this strategy
     options: ClassVar[Optional[str]] = None  # the flag group only this strategy reads (--fsdp.*, --deepspeed.*)
     checkpoint_format: ClassVar[str] = "dcp"
 

@@ -91,3 +91,37 @@ def test_segments_attention_without_position_ids_is_plain_causal(tiny_dir):
         expected = tiny_lm(tiny_dir, "sdpa").model(ids).logits
         got = tiny_lm(tiny_dir, SEGMENTS).model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_liger_kernels_only_where_they_run(monkeypatch):
+    import importlib.util
+
+    from litft.attention import choose_kernels
+
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    assert choose_kernels("auto", "cpu") is False and choose_kernels("none", "cuda") is False
+    with pytest.raises(LitftError, match="--kernels liger"):
+        choose_kernels("liger", "cpu")
+    assert choose_kernels("auto", "cuda") is installed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's kernels are Triton GPU kernels")
+def test_liger_kernels_train_as_the_models_own(tiny_dir):
+    """Where they run: the same loss and gradients as the model's own norm, rotary and MLP."""
+    pytest.importorskip("liger_kernel")
+    from litft.build import use_liger_kernels
+
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collate(samples([9, 14]), pad_id=0).items()}
+    results = []
+    for liger in (False, True):
+        model = load_causal_lm(str(tiny_dir), random_init=False, dtype=torch.float32).cuda()
+        if liger:
+            use_liger_kernels(model)
+        lm = CausalLM(model, TrainArgs()).train()
+        loss = lm.loss_sum(batch)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in lm.named_parameters()}))
+    (plain, plain_grads), (fused, fused_grads) = results
+    assert abs(plain - fused) <= 1e-4 * plain
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)

@@ -4,6 +4,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from litft.config import EvalArgs
 from litft.loop import LoopState
@@ -79,3 +80,50 @@ def test_cuda_allocator_gets_expandable_segments_unless_configured():
     mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
     cuda_allocator_defaults(mine)
     assert mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+
+
+class OnDevice(torch.Tensor):
+    """Stands in for an accelerator tensor: records every read back to the host (each would synchronize a GPU)."""
+
+    reads = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+            cls.reads.append(func.__name__)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_train_step_reads_nothing_back_from_the_device_but_on_log_steps():
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from litft.config import TrainArgs
+    from litft.loop import StepBatch, train_step
+    from litft.metrics import StepMeter
+
+    fabric = SimpleNamespace(
+        world_size=1, device=torch.device("cpu"), is_global_zero=False, to_device=lambda b: b, autocast=nullcontext,
+        no_backward_sync=lambda module, enabled: nullcontext(), backward=lambda loss: None, all_reduce=lambda t, reduce_op: t,
+        log_dict=lambda metrics, step: None,
+    )
+    strategy = SimpleNamespace(
+        optimizer_step=lambda module, optimizer, max_norm: torch.tensor(0.5).as_subclass(OnDevice),
+        state_bytes=lambda lm, optimizer: {"params": 1, "grads": 1, "optimizer": 1},
+    )
+    train = TrainArgs(log_interval=3, max_norm=1.0)
+    trainer = SimpleNamespace(
+        fabric=fabric, strategy=strategy, spec=SimpleNamespace(train=train), state=LoopState(), scheduler=SimpleNamespace(step=lambda: None),
+        optimizer=SimpleNamespace(param_groups=[{"lr": 0.1}]),
+        module=SimpleNamespace(training_step=lambda batch: torch.tensor(2.0).as_subclass(OnDevice)),
+        meter=StepMeter(fabric, strategy, train, flops=None, total_steps=6, start_step=0),
+    )
+    batch = StepBatch(micro=[{}, {}], targets=4, tokens=10, samples=2, flops=0.0)
+    reads_per_step = []
+    for _ in range(3):
+        OnDevice.reads.clear()
+        train_step(trainer, batch)
+        reads_per_step.append(len(OnDevice.reads))
+    assert reads_per_step[:2] == [0, 0] and reads_per_step[2] > 0  # only step 3, a log step, reads the loss and the norm
+    assert trainer.state.history[2]["loss"] == pytest.approx(4.0 / 4) and trainer.state.history[2]["grad_norm"] == 0.5
+    assert "loss" not in trainer.state.history[0]

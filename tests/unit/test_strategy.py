@@ -83,3 +83,15 @@ def test_user_zero_config_keeps_its_values_and_fills_auto(tmp_path):
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": False, "reduce_bucket_size": "auto"}}))
     zero = deepspeed_config(DeepSpeedArgs(config=path), TRAIN, 8, "bf16-mixed", hidden_size=1024)["zero_optimization"]
     assert zero["overlap_comm"] is False and zero["reduce_bucket_size"] == 1024**2 and zero["allgather_bucket_size"] == 1024**2
+
+
+def test_gpu_process_groups_carry_gloo_for_cpu_tensors():
+    """Offloaded FSDP gradients are clipped and checked on the CPU: an NCCL-only group has no backend for them."""
+    from litft.strategies import DeepSpeed, FSDP
+
+    offload = Layout("fsdp", 8, 1, FSDPArgs(cpu_offload=True), DeepSpeedArgs())
+    fsdp = FSDP(offload, "cuda", "bf16-mixed", TRAIN)
+    assert fsdp.backend == "cuda:nccl,cpu:gloo" and fsdp.host_device == "cpu"
+    assert FSDP(offload, "cpu", "32-true", TRAIN).backend == "gloo"
+    zero = DeepSpeed(Layout("deepspeed", 8, 1, FSDPArgs(), DeepSpeedArgs(stage=3)), "cuda", "bf16-mixed", TRAIN)
+    assert zero.backend == "nccl" and zero.host_device == "cuda"  # DeepSpeed's communication layer takes one backend

@@ -1,0 +1,105 @@
+"""Peak memory of one FSDP training step, accumulating 4 micro-batches against 1, on CPU processes.
+
+FSDP2 with gradient sync off keeps every parameter's whole gradient on every rank
+until the last micro-batch; litft reduce-scatters after each micro-batch instead,
+so accumulation should cost nothing beyond the gradient shards. Each rank measures
+the growth of its anonymous resident memory during its training steps (sampled
+every 2 ms) and prints it beside the model's size. ``--lightning_no_sync`` turns
+gradient sync off during accumulation, as Lightning's no_backward_sync does, for the comparison.
+
+    python benchmarks/fsdp_accumulation.py                      # litft: reduce-scatter every micro-batch
+    python benchmarks/fsdp_accumulation.py --lightning_no_sync  # whole gradients kept during accumulation
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MEASURED_RUN = """
+import sys
+from contextlib import contextmanager
+from benchkit import PeakGrowth
+from torch.distributed.fsdp import FSDPModule
+import litft.loop as loop
+from litft.strategies import fsdp
+if "--lightning_no_sync" in sys.argv:  # what Lightning's no_backward_sync does: no reduction until the last micro-batch
+    sys.argv.remove("--lightning_no_sync")
+    @contextmanager
+    def no_sync(self, module, enabled):
+        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.set_requires_gradient_sync(not enabled, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+    fsdp.ReplicaSync.no_backward_sync = no_sync
+step = loop.train_step
+growth = []
+def measured(trainer, batch):
+    with PeakGrowth() as peak:
+        step(trainer, batch)
+    growth.append(peak.mb)
+    if trainer.state.step == trainer.total_steps:
+        print(f"rank {trainer.fabric.global_rank}: micro-batches per step {len(batch.micro)}, peak growth during a step "
+              f"{max(growth[1:] or growth):.1f} MB", flush=True)
+loop.train_step = measured
+from litft.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+def model_folder(work: Path, hidden: int, layers: int) -> Path:
+    """A Llama with random weights and litft-tiny's tokenizer (its 384-token vocabulary keeps the blocks the bulk)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from litft.tiny import ensure_tiny_model
+
+    folder = work / f"llama-{hidden}x{layers}"
+    if not (folder / "config.json").is_file():
+        config = LlamaConfig(
+            vocab_size=384, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+            num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, max_position_embeddings=256,
+        )
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(ensure_tiny_model()).save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--lightning_no_sync", action="store_true")
+    args = parser.parse_args()
+    work = Path(os.environ.get("FSDP_ACCUMULATION_DIR") or tempfile.mkdtemp(prefix="litft-accumulation-"))
+    folder = model_folder(work, args.hidden, args.layers)
+    params = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**20
+    print(f"model: {params:.0f} MB of fp32 weights; FULL_SHARD on 2 ranks (a shard of weights or gradients: {params / 2:.0f} MB)")
+    script = work / "measured_run.py"
+    script.write_text(MEASURED_RUN)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'benchmarks'}:{ROOT}", PYTHONUNBUFFERED="1")
+    for global_batch in (4, 16):  # 2 ranks x micro-batch 2: 1 and 4 micro-batches per step
+        command = [
+            sys.executable, str(script), "finetune_full", str(folder), "--data", "TinyTasks", "--data.num_train", "64",
+            "--data.num_val", "4", "--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD", "--devices", "2",
+            "--accelerator", "cpu", "--precision", "32-true", "--train.micro_batch_size", "2",
+            "--train.global_batch_size", str(global_batch), "--train.max_steps", "3", "--eval.interval", "0",
+            "--eval.initial_validation", "false", "--eval.final_validation", "false", "--train.save_interval", "null",
+            "--out_dir", str(work / f"run-{global_batch}"), "--overwrite", "true",
+        ] + (["--lightning_no_sync"] if args.lightning_no_sync else [])
+        done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+        print("\n".join(lines) if lines else done.stderr[-2000:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The loss on target tokens only: output head and cross-entropy fused, a chunk of tokens at a time.
+
+A plain step computes logits for every token of the batch (prompts and padding
+too), casts all of them to fp32 and keeps them, their log-softmax and their
+gradients for the backward: at a 128k vocabulary and 8 x 2k tokens that is tens
+of GB. Here the head runs only on the tokens that carry loss, in chunks, and
+each chunk's gradients (for the hidden states and the head's weight) are made
+at once, in the forward, so no chunk's logits outlive it. The backward only
+scales what the forward made. The head is replaced only where it is a plain
+linear layer whose logits feed the loss unchanged (no soft-capping or scaling,
+no adapter on it); elsewhere the model's own head and a plain cross-entropy run.
+"""
+
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Config fields of architectures whose logits are changed after the head (Gemma 2/3 soft-capping, Cohere, Granite).
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+CHUNK_LOGIT_BYTES = 256 * 2**20  # fp32 logits of one chunk
+
+
+def chunk_rows(vocab_size: int) -> int:
+    return max(1, CHUNK_LOGIT_BYTES // (4 * vocab_size))
+
+
+class TargetCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T + bias`` against ``targets``, with its gradients made chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, rows: int):
+        grads = ctx.needs_input_grad
+        grad_hidden = torch.empty_like(hidden) if grads[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads[1] else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and grads[2] else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], rows):
+            h, y = hidden[start : start + rows], targets[start : start + rows]
+            logits = F.linear(h, weight, bias).float()
+            norm = torch.logsumexp(logits, dim=-1)
+            total += (norm - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            if grad_hidden is None and grad_weight is None and grad_bias is None:
+                continue
+            # d(sum of -log softmax[y]) / d logits = softmax - one_hot(y)
+            probs = logits.sub_(norm[:, None]).exp_()
+            probs[torch.arange(len(y), device=y.device), y] -= 1
+            g = probs.to(h.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + rows] = g @ weight
+            if grad_weight is not None:
+                grad_weight += (g.t() @ h).float()
+            if grad_bias is not None:
+                grad_bias += probs.sum(0)
+        ctx.save_for_backward(
+            grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None if grad_bias is None else grad_bias.to(bias.dtype)
+        )
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = lambda g: None if g is None else g * grad_output.to(g.dtype)  # noqa: E731
+        return scale(grad_hidden), scale(grad_weight), scale(grad_bias), None, None
+
+
+def target_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], index: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed loss of the tokens at ``index`` (flat positions in the batch) predicting ``labels``."""
+    flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+    return TargetCrossEntropy.apply(flat, weight, bias, labels, chunk_rows(weight.shape[0]))
+
+
+def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    """The head, or, while ``self.loss_targets`` is set by the step, the summed loss of the target tokens."""
+    if self.loss_targets is None:
+        return F.linear(hidden, self.weight, self.bias)
+    index, labels = self.loss_targets
+    return target_loss(hidden, self.weight, self.bias, index, labels)
+
+
+def fuse_target_loss(hf_model) -> bool:
+    """Let the model's output head compute the loss of the target tokens itself, where that is exact; whether it does.
+
+    The head stays the module it was (FSDP and ZeRO-3 gather its weight around its
+    forward as before); only what its forward returns changes, while a step asks for a loss.
+    """
+    head = hf_model.get_output_embeddings()
+    if type(head) is not nn.Linear or any(getattr(hf_model.config, key, None) for key in LOGIT_TRANSFORMS):
+        return False
+    head.loss_targets = None
+    head.forward = types.MethodType(_head_forward, head)
+    return True
+
+
+def fused_head(hf_model) -> Optional[nn.Module]:
+    """The output head when it computes the loss itself (``fuse_target_loss``), else None."""
+    head = hf_model.get_output_embeddings()
+    return head if hasattr(head, "loss_targets") else None
