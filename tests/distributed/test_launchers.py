@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import ROOT, run_cli, step_losses
 from tests.distributed.test_sharding import free_port
 
-STEPS = 40
+STEPS = 12
 ARGS = [
     "finetune_full", "--data", "TinyTasks", "--data.num_train", "256", "--data.num_val", "8", "--train.global_batch_size", "8",
     "--train.learning_rate", "3e-3", "--train.warmup_steps", "1", "--eval.interval", "0", "--eval.max_batches", "1",
@@ -47,7 +47,7 @@ def assert_same_losses(out_dir, expected):
     assert len(losses) == len(expected)
     worst = max(abs(a - b) / b for a, b in zip(losses, expected))
     assert worst <= 1e-5, (worst, losses, expected)
-    print(f"{out_dir.name}: {len(losses)} steps, largest relative difference from one process {worst:.1e}")
+    print(f"{out_dir.name}: {len(losses)} steps, largest relative difference from one process {worst:.1e}; losses {losses}, one process {expected}")
 
 
 def test_two_processes_started_by_hand_train_like_one(tmp_path, one_process):
