@@ -13,7 +13,7 @@ from litft.errors import LitftError
 from litft.estimate import estimate
 from litft.jobs import JOBS
 from litft.launchers import without_local_rank_argument
-from litft.ray_launch import die_with_parent, inside_worker
+from litft.ray_worker import die_with_parent, inside_worker
 
 
 def parser_jobs() -> dict:

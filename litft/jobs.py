@@ -17,7 +17,8 @@ from litft.data.base import DataModule
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
 from litft.flags import DATA, EVAL, LAUNCHER, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, Flag, command
-from litft.ray_launch import inside_worker, run_on_ray
+from litft.ray_launch import run_on_ray
+from litft.ray_worker import inside_worker
 from litft.trainer import RunResult, run_job
 
 @dataclass
