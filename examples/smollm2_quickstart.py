@@ -96,6 +96,9 @@ def main(extra: list) -> None:
     record = json.loads(HELD_OUT.read_text().splitlines()[0])
     prompt, expected = record["messages"][0]["content"], record["messages"][1]["content"]
     final = (ROOT / out_dir / "final").resolve()
+    if not final.is_dir():  # stopped early (SIGTERM, --train.stop_after_steps): its checkpoint is kept
+        print(f"the run stopped before its end; continue it with: python {Path(__file__).name} {' '.join(extra)} --resume auto")
+        return
     answer = subprocess.run(
         [sys.executable, "-m", "litft", "generate", str(final), "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "16"],
         check=True, capture_output=True, text=True, cwd=ROOT,
