@@ -14,14 +14,17 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from jsonargparse import CLI, ArgumentParser, set_parsing_settings  # noqa: E402
 
 import litft.data  # noqa: E402,F401  (registers the --data choices)
-from litft.checkpoint.convert import convert  # noqa: E402
+from litft.chat import chat, generate  # noqa: E402
+from litft.checkpoint.convert import convert, merge_lora  # noqa: E402
 from litft.errors import LitftError  # noqa: E402
 from litft.estimate import estimate  # noqa: E402
 from litft.jobs import JOBS  # noqa: E402
+from litft.launchers import without_local_rank_argument  # noqa: E402
+from litft.ray_worker import die_with_parent, inside_worker  # noqa: E402
 
 
 def parser_jobs() -> dict:
-    return {**JOBS, "convert": convert, "estimate": estimate}
+    return {**JOBS, "convert": convert, "merge_lora": merge_lora, "estimate": estimate, "chat": chat, "generate": generate}
 
 
 def configure_jsonargparse() -> None:
@@ -45,8 +48,11 @@ class OneLineErrors(ArgumentParser):
 
 
 def main(argv=None) -> None:
+    if inside_worker():
+        die_with_parent()  # a Ray worker's training ends with its actor
     configure_jsonargparse()
     try:
+        argv = without_local_rank_argument(sys.argv[1:] if argv is None else list(argv))
         CLI(parser_jobs(), args=argv, as_positional=True, parser_class=OneLineErrors)
     except LitftError as err:
         print(f"litft: error: {err}", file=sys.stderr)

@@ -1,8 +1,9 @@
 """Where a run sits in a cluster: the launcher's variables, preflights that fail in seconds, and the process group.
 
 litft starts its own processes (``--devices N --num_nodes M`` with MASTER_ADDR,
-MASTER_PORT and NODE_RANK on each node), or joins the processes that torchrun or
-SLURM's srun started. Either way the flags must describe the world the launcher
+MASTER_PORT and NODE_RANK on each node), or joins the processes that torchrun,
+SLURM's srun, or a launcher that sets RANK, LOCAL_RANK and WORLD_SIZE started
+(``litft.launchers``: the deepspeed launcher, mpirun, Ray, a hand-made environment). Either way the flags must describe the world the launcher
 made; a mismatch found here costs seconds, found by a collective it costs a
 timeout.
 """
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from litft.errors import LitftError
+from litft.launchers import environment_world, started_by_environment
 from litft.ranks import on_every_rank, on_rank_zero
 
 
@@ -39,10 +41,20 @@ def process_group_timeout() -> timedelta:
 
 
 def launcher(env: Optional[Dict[str, str]] = None) -> str:
-    """``torchrun``, ``slurm`` or ``litft`` (processes litft starts itself), detected as Lightning detects them."""
+    """``torchrun``, ``environment``, ``slurm`` or ``litft`` (processes litft starts itself).
+
+    The launcher nearest the process wins: torchrun, or one that set RANK, LOCAL_RANK and
+    WORLD_SIZE (deepspeed's, mpirun's, Ray's), also inside a SLURM allocation, whose own
+    variables then describe the allocation rather than these processes. Processes
+    litft started itself are marked (LITFT_LAUNCHER=litft), whatever else they inherited.
+    """
     env = os.environ if env is None else env
     if all(k in env for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")):
         return "torchrun"
+    if env.get("LITFT_LAUNCHER") == "litft" and "LOCAL_RANK" in env:
+        return "litft"
+    if started_by_environment(env):
+        return "environment"
     if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
         return "slurm"
     return "litft"
@@ -67,11 +79,17 @@ def apply_launcher_env(devices: int, num_nodes: int, env: Optional[Dict[str, str
     return devices, num_nodes
 
 
-def preflight(devices: int, num_nodes: int, env: Optional[Dict[str, str]] = None, rendezvous_timeout: float = 300.0) -> None:
-    """Before any process group: the launcher's world is the one the flags describe, and every node has arrived."""
+def preflight(devices: int, num_nodes: int, env: Optional[Dict[str, str]] = None, rendezvous_timeout: float = 300.0) -> Dict[str, str]:
+    """Before any process group: the launcher's world is the one the flags describe, and every node has arrived.
+
+    Returns the variables to add to the environment so that Lightning places this
+    process where the launcher did (an environment launcher's NODE_RANK; nothing for the others).
+    """
     env = os.environ if env is None else env
     world = devices * num_nodes
     kind = launcher(env)
+    if kind == "environment":
+        return environment_world(devices, num_nodes, env)
     if kind == "torchrun":
         local, total = int(env["LOCAL_WORLD_SIZE"]), int(env.get("WORLD_SIZE", env["LOCAL_WORLD_SIZE"]))
         if local != devices:
@@ -80,7 +98,7 @@ def preflight(devices: int, num_nodes: int, env: Optional[Dict[str, str]] = None
             raise LitftError(
                 f"torchrun's world has {total} processes but --devices {devices} x --num_nodes {num_nodes} is {world}; pass --num_nodes {total // local}"
             )
-        return
+        return {}
     if kind == "slurm":
         nodes = int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1")))
         per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
@@ -89,7 +107,7 @@ def preflight(devices: int, num_nodes: int, env: Optional[Dict[str, str]] = None
             raise LitftError(f"SLURM runs {per_node} tasks per node but --devices is {devices}; set #SBATCH --ntasks-per-node={devices} (one task per GPU) or pass --devices {per_node}")
         if nodes != num_nodes:
             raise LitftError(f"SLURM gave {nodes} nodes but --num_nodes is {num_nodes}; set #SBATCH --nodes={num_nodes} or pass --num_nodes {nodes}")
-        return
+        return {}
     if num_nodes > 1 and "LOCAL_RANK" not in env:  # this node's main process; its children inherit the checked env
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if k not in env]
         if missing:
@@ -99,6 +117,7 @@ def preflight(devices: int, num_nodes: int, env: Optional[Dict[str, str]] = None
             raise LitftError(f"NODE_RANK={rank} is outside 0..{num_nodes - 1} for --num_nodes {num_nodes}")
         timeout = float(env.get("LITFT_RENDEZVOUS_TIMEOUT", rendezvous_timeout))
         check_in(rank, num_nodes, devices, env["MASTER_ADDR"], int(env["MASTER_PORT"]) + 1, timeout)
+    return {"LITFT_LAUNCHER": "litft"} if world > 1 and "LOCAL_RANK" not in env else {}  # the processes Fabric starts inherit it
 
 
 def check_in(node_rank: int, num_nodes: int, devices: int, host: str, port: int, timeout: float) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Callable, List, Literal, Optional, Union
 
 from litft.config import Accelerator, DeepSpeedArgs, EvalArgs, FSDPArgs, Precision, Quantize, StrategyName, TrainArgs
 from litft.data.base import DataModule
+from litft.data.sft import PromptStyle
 from litft.tiny import TINY_NAME
 
 
@@ -71,6 +72,11 @@ NUM_NODES = Flag("num_nodes", int, 1, "Nodes taking part.")
 STRATEGY = Flag("strategy", StrategyName, "auto", "auto (one device, or DDP for several), ddp, fsdp (FSDP2, sharded per block) or deepspeed (ZeRO).")
 FSDP = Flag("fsdp", FSDPArgs, FSDPArgs(), "Sharding options for --strategy fsdp.")
 DEEPSPEED = Flag("deepspeed", DeepSpeedArgs, DeepSpeedArgs(), "ZeRO stage, offload and config file for --strategy deepspeed.")
+LAUNCHER = Flag(
+    "launcher", Literal["auto", "ray"], "auto",
+    "auto: start --devices processes here, or join those torchrun, srun, mpirun, the deepspeed launcher or a RANK/LOCAL_RANK/WORLD_SIZE "
+    "environment started; ray: one worker per device on the Ray cluster at RAY_ADDRESS, or on a local Ray started for the run.",
+)
 ACCELERATOR = Flag("accelerator", Accelerator, "auto", "auto, cpu or cuda.")
 ATTENTION = Flag(
     "attn_implementation", Literal["auto", "litft_segments", "flash_attention_2", "sdpa", "eager"], "auto",
@@ -125,3 +131,19 @@ JOB = Literal["finetune_lora", "finetune_full", "pretrain"]
 def required(flag: Flag, help: str) -> Flag:
     """A flag without a default (a positional argument on the command line)."""
     return flag.but(default=_NO_DEFAULT, help=help)
+
+
+# litft chat and litft generate.
+TRAINED_MODEL = required(
+    MODEL, "A model folder (a run's final/ or final-adapter/), a litft run or checkpoint folder (a LoRA one: its adapter on its base), litft-tiny, or a hub id."
+)
+PROMPT = Flag("prompt", Optional[str], None, "The prompt to answer (required).")
+GENERATION = [
+    Flag("system", Optional[str], None, "A system prompt, placed where the chat template puts one."),
+    Flag("max_new_tokens", int, 256, "The most tokens one answer may have."),
+    Flag("temperature", float, 0.7, "Sampling temperature; 0 answers greedily (the same answer every time)."),
+    Flag("top_p", float, 0.9, "Sample from the fewest tokens whose probabilities add up to top_p (1 keeps them all)."),
+    Flag("prompt_style", PromptStyle, "chat", "How prompts are rendered, as in training: chat (the tokenizer's chat template), alpaca or plain."),
+    ACCELERATOR,
+    SEED.but(help="Seeds the sampling."),
+]

