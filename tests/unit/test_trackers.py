@@ -12,7 +12,8 @@ from litft.trackers import MLflowTracker, WandbTracker
 
 @pytest.mark.parametrize("tracker, module, extra", [(WandbTracker, "wandb", "wandb"), (MLflowTracker, "mlflow", "mlflow")])
 def test_a_missing_extra_says_what_to_install(tmp_path, monkeypatch, tracker, module, extra):
-    monkeypatch.setitem(sys.modules, module, None)  # what an absent package looks like to import
+    for name in [m for m in sys.modules if m == module or m.startswith(module + ".")] or [module]:
+        monkeypatch.setitem(sys.modules, name, None)  # what an absent package (and its submodules) looks like to import
     with pytest.raises(LitftError, match=rf"--logger_name {extra} needs the {module} package: pip install 'litft\[{extra}\]'$"):
         tracker(tmp_path)
 
