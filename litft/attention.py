@@ -4,8 +4,8 @@ A packed (or padding-free) row holds several samples end to end, each with
 position ids that start at 0. transformers' own SDPA and eager paths turn such a
 row into a dense block-diagonal (B, 1, S, S) mask, which costs memory, turns off
 SDPA's fused causal kernels and makes it copy K and V for grouped-query attention.
-``segments`` instead attends inside each sample: one causal SDPA call per sample
-on the CPU, and torch's varlen flash kernel over the whole row on CUDA (one call,
+``segments`` instead attends inside each sample: on the CPU one causal SDPA call
+with a row per sample (padding inside attention only), and torch's varlen flash kernel over the whole row on CUDA (one call,
 cumulative sequence lengths). FlashAttention-2, where installed, does the same
 from the position ids by itself. Which one a run uses is chosen once
 (:func:`choose`) and said in the log.
@@ -28,6 +28,9 @@ SEGMENTS = "litft_segments"
 CHOICES = ("auto", SEGMENTS, "flash_attention_2", "sdpa", "eager")
 # Implementations that keep packed samples apart without a dense mask (padding-free batches are safe with them).
 PACKED_SAFE = (SEGMENTS, "flash_attention_2")
+
+# On the CPU, samples are gathered into one padded call while that pads the attention by at most this factor.
+GATHER_PADDING_LIMIT = 1.25
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -58,14 +61,30 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
         cu = cu.to(query.device, torch.int32)
         out = varlen_attn(flat(query), flat(key), flat(value), cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
         return out.reshape(batch, width, heads, dim), None
-    bounds = cu.tolist()
-    q, k, v = (t.transpose(0, 1).reshape(t.shape[1], 1, batch * width, dim) for t in (query, key, value))  # heads, 1, tokens, dim
-    out = torch.empty_like(q)
-    for start, end in zip(bounds, bounds[1:]):
-        out[:, :, start:end] = F.scaled_dot_product_attention(
-            q[None, :, 0, start:end], k[None, :, 0, start:end], v[None, :, 0, start:end],
-            dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa,
-        )[0][:, None]
+    cu = cu.to(torch.long)
+    lengths = torch.diff(cu)
+    longest = int(lengths.max())
+    if len(lengths) * longest <= GATHER_PADDING_LIMIT * int(cu[-1]):
+        # Samples of similar length: one causal SDPA call, each gathered into a row of its own, padded at its end
+        # with copies of its last token. Causality keeps real queries off that padding; what padding queries
+        # produce is dropped. Only attention sees the padding; every other layer stays padding-free.
+        place = torch.arange(longest)
+        index = cu[:-1, None] + torch.minimum(place[None, :], lengths[:, None] - 1)  # samples, longest
+        real = place[None, :] < lengths[:, None]
+        q, k, v = (t.transpose(0, 1).reshape(t.shape[1], batch * width, dim)[:, index].transpose(0, 1) for t in (query, key, value))
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out = query.new_zeros(heads, batch * width, dim)  # tokens outside every sample (a row's tail) stay zero
+        out[:, index[real]] = attended.transpose(0, 1)[:, real]
+    else:
+        # Lengths far apart: padding them to the longest would cost more than a call per sample.
+        bounds = cu.tolist()
+        q, k, v = (t.transpose(0, 1).reshape(t.shape[1], 1, batch * width, dim) for t in (query, key, value))  # heads, 1, tokens, dim
+        out = query.new_zeros(heads, 1, batch * width, dim)
+        for start, end in zip(bounds, bounds[1:]):
+            out[:, :, start:end] = F.scaled_dot_product_attention(
+                q[None, :, 0, start:end], k[None, :, 0, start:end], v[None, :, 0, start:end],
+                dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa,
+            )[0][:, None]
     return out.reshape(heads, batch, width, dim).permute(1, 2, 0, 3).contiguous(), None
 
 
@@ -94,7 +113,7 @@ def choose(requested: str, accelerator: str) -> str:
 def describe(implementation: str, accelerator: str) -> str:
     """One line for the log: what attends, and how packed samples are kept apart."""
     if implementation == SEGMENTS:
-        how = "torch's varlen flash kernel" if accelerator == "cuda" and varlen_attn is not None else "one causal SDPA call per sample"
+        how = "torch's varlen flash kernel" if accelerator == "cuda" and varlen_attn is not None else "one causal SDPA call, a row per sample"
         return f"attention: {SEGMENTS} ({how}; samples of a row kept apart without a mask)"
     if implementation == "flash_attention_2":
         return "attention: flash_attention_2 (varlen from the position ids; samples of a row kept apart without a mask)"

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from litft import attention
 from litft.attention import SEGMENTS, choose
 from litft.config import TrainArgs
 from litft.data.base import IGNORE_INDEX, collate, pack
@@ -18,7 +19,7 @@ def sdpa_calls(monkeypatch):
     real = F.scaled_dot_product_attention
 
     def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        calls.append({"mask": attn_mask, "is_causal": is_causal, "gqa": enable_gqa, "length": query.shape[-2]})
+        calls.append({"mask": attn_mask, "is_causal": is_causal, "gqa": enable_gqa, "rows": query.shape[0], "length": query.shape[-2]})
         return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
@@ -52,14 +53,19 @@ def test_padded_rows_keep_the_causal_kernel_and_native_gqa(tiny_dir, sdpa_calls)
         torch.testing.assert_close(padded[row, : len(sample["input_ids"])], alone[0], rtol=1e-5, atol=1e-5)
 
 
-def test_packed_rows_are_kept_apart_without_a_mask(tiny_dir, sdpa_calls):
-    """One causal SDPA call per packed sample on the CPU; logits, loss and gradients equal each sample trained alone."""
+@pytest.mark.parametrize("gathered", [True, False])
+def test_packed_rows_are_kept_apart_without_a_mask(tiny_dir, sdpa_calls, monkeypatch, gathered):
+    """On the CPU one causal SDPA call per layer with a row per sample (or a call per sample where lengths are far
+    apart); logits, loss and gradients equal each sample trained alone."""
+    monkeypatch.setattr(attention, "GATHER_PADDING_LIMIT", 1.5 if gathered else 1.0)  # 4 x 9 = 36 places for 25 tokens
     lengths = [5, 9, 4, 7]
     lm = tiny_lm(tiny_dir, SEGMENTS)
     packed = collate(pack(samples(lengths), max_length=32), pad_id=0)
     assert packed["input_ids"].shape == (1, 25)
     loss = lm.loss_sum(packed)
-    assert [c["length"] for c in sdpa_calls] == lengths * 4 and all(c["mask"] is None and c["is_causal"] for c in sdpa_calls)
+    calls = [(len(lengths), max(lengths))] if gathered else [(1, n) for n in lengths]
+    assert [(c["rows"], c["length"]) for c in sdpa_calls] == calls * 4
+    assert all(c["mask"] is None and c["is_causal"] for c in sdpa_calls)
     loss.backward()
     packed_grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
 
