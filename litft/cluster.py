@@ -230,9 +230,12 @@ def check_shared_out_dir(fabric, out_dir: Path) -> None:
             )
 
     try:
-        on_every_rank(fabric, look, "checking that out_dir is shared")
+        on_every_rank(fabric, look, "checking that out_dir is shared")  # every rank has looked once this returns or raises
     finally:
-        on_rank_zero(fabric, lambda: marker.unlink(missing_ok=True), "checking out_dir")
+        if fabric.global_rank == 0:
+            # Rank 0 alone, waiting for nobody: a rank that failed the check must keep its own error, not
+            # meet a store that rank 0 took down on its way out.
+            marker.unlink(missing_ok=True)
 
 
 def restarted() -> Optional[str]:
