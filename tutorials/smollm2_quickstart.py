@@ -90,7 +90,7 @@ def main(extra: list) -> None:
     started = time.perf_counter()
     model = model_folder()
     out_dir = Path(extra[extra.index("--out_dir") + 1]) if "--out_dir" in extra else Path("out/smollm2-reverse")
-    command = ["finetune_lora", str(model), "--config", str(CONFIG), "--out_dir", str(out_dir), *extra]
+    command = ["finetune_lora", str(model), "--config", str(CONFIG), *([] if "--out_dir" in extra else ["--out_dir", str(out_dir)]), *extra]
     print("$ litft " + " ".join(command), flush=True)
     subprocess.run([sys.executable, "-m", "litft", *command], check=True, cwd=ROOT)
     record = json.loads(HELD_OUT.read_text().splitlines()[0])
