@@ -153,16 +153,9 @@ class Materializer:
         tensors, so it needs the module itself, not only the values.
         """
         name = checkpoint_name(module_name)
-        persistent = {a for a in module._buffers if a not in module._non_persistent_buffers_set}
         fresh = []
         for kind, attr, template, known in slots:
-            names = self.names[id(known)]
-            from_checkpoint = self.weights is not None and not is_lora_tensor(names[0]) and (kind == "_parameters" or attr in persistent)
-            key = self.weights.find(names) if from_checkpoint else None
-            if from_checkpoint and key is None:
-                raise LitftError(
-                    f"the checkpoint in {self.weights.folder} has no tensor for {names[0]}; it does not match this model's config"
-                )
+            key = self.checkpoint_key(module, kind, attr, known)
             # safetensors hands out views of its file mapping; the parameter gets its own memory.
             value = self._read(key, template) if key is not None else torch.empty(template.shape, dtype=template.dtype)
             if kind == "_parameters":
@@ -176,11 +169,26 @@ class Materializer:
                     value.data.copy_(self._read(key, template))
         return [value for _, _, value in fresh]
 
-    def _read(self, key: str, meta: torch.Tensor) -> torch.Tensor:
+    def checkpoint_key(self, module: nn.Module, kind: str, attr: str, known: torch.Tensor) -> Optional[str]:
+        """The checkpoint's name for one of ``module``'s tensors; None where the tensor is initialized instead."""
+        names = self.names[id(known)]
+        persistent = kind == "_parameters" or attr not in module._non_persistent_buffers_set
+        if self.weights is None or is_lora_tensor(names[0]) or not persistent:
+            return None
+        key = self.weights.find(names)
+        if key is None:
+            raise LitftError(f"the checkpoint in {self.weights.folder} has no tensor for {names[0]}; it does not match this model's config")
+        return key
+
+    def stored(self, key: str, shape) -> torch.Tensor:
+        """The checkpoint's tensor as stored (a view of the file's mapping for safetensors), its shape checked."""
         stored = self.weights.get(key)
-        if stored.shape != meta.shape:
-            raise LitftError(f"{key} in {self.weights.folder} has shape {tuple(stored.shape)}, the model expects {tuple(meta.shape)}")
-        return stored.to(meta.dtype, copy=True)
+        if stored.shape != torch.Size(shape):
+            raise LitftError(f"{key} in {self.weights.folder} has shape {tuple(stored.shape)}, the model expects {tuple(shape)}")
+        return stored
+
+    def _read(self, key: str, meta: torch.Tensor) -> torch.Tensor:
+        return self.stored(key, meta.shape).to(meta.dtype, copy=True)
 
     def _init(self, name: str, module: nn.Module, values: List[torch.Tensor]) -> None:
         """peft's adapter init for LoRA matrices, the model's own init for everything else."""

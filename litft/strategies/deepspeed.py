@@ -17,12 +17,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.fabric.utilities.seed import reset_seed
-from transformers import AutoModelForCausalLM
-from transformers.initialization import no_init_weights
 
 from litft.cluster import process_group_timeout
 from litft.config import DeepSpeedArgs, Layout, TrainArgs
-from litft.device import compute_dtype, param_dtype, release_freed_host_memory
+from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
 from litft.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes, read_dcp
@@ -165,51 +163,6 @@ class DeepSpeedAnyDevice(DeepSpeedStrategy):
         return super().backward(tensor, module, *args, scale_wrt_gas=False, **kwargs)
 
 
-class PartitionedFill:
-    """Gives a model built under ``zero.Init`` its first values, one module at a time.
-
-    A module's parameters are whole on every rank only while it is filled. Rank 0
-    computes them as ``Materializer`` does under every other strategy (the
-    checkpoint's tensor, or the seeded init of the tensor's name), and leaving
-    ``GatheredParameters`` sends them to every rank's partition; the values of the
-    other ranks are dropped. Buffers and LoRA adapters (ordinary tensors until
-    ``deepspeed.initialize``) are the same on every rank and filled on each.
-    """
-
-    def __init__(self, materializer: Materializer, root: torch.nn.Module, dtype: torch.dtype):
-        self.materializer, self.root, self.dtype = materializer, root, dtype
-
-    @torch.no_grad()
-    def __call__(self, part: torch.nn.Module) -> None:
-        from deepspeed import comm
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-        first = comm.get_rank() == 0
-        module_names = {id(m): n for n, m in self.root.named_modules(remove_duplicate=False)}
-        done = set()  # a tied parameter is filled once, under its first module
-        for module in part.modules():
-            partitioned = {a: p for a, p in module._parameters.items() if hasattr(p, "ds_id") and id(p) not in done}
-            done.update(id(p) for p in partitioned.values())
-            local = [(kind, a, t) for kind in ("_parameters", "_buffers") for a, t in getattr(module, kind).items()
-                     if t is not None and not hasattr(t, "ds_id")]
-            slots = [(kind, a, _template(t.shape, t.dtype, t.requires_grad), t) for kind, a, t in local]
-            if first:
-                slots += [("_parameters", a, _template(p.ds_shape, self.dtype, p.requires_grad), p) for a, p in partitioned.items()]
-            with GatheredParameters(list(partitioned.values()), modifier_rank=0):
-                if slots:
-                    self.materializer.fill_slots(module_names.get(id(module), ""), module, slots)
-                if first:
-                    for attr, param in partitioned.items():
-                        param.data.copy_(module._parameters[attr].data)
-                        module._parameters[attr] = param
-            if partitioned:
-                release_freed_host_memory()
-
-
-def _template(shape, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
-
-
 class DeepSpeed(TrainingStrategy):
     """ZeRO: optimizer states (stage 1), gradients (2) and parameters (3) partitioned over every rank."""
 
@@ -265,18 +218,16 @@ class DeepSpeed(TrainingStrategy):
         """
         if self.stage != 3:
             return super().structure(config, dtype)
-        import deepspeed
+        from litft.strategies.zero3_build import build_partitioned
 
         self._dtype = dtype
-        with deepspeed.zero.Init(config_dict_or_path=self.config), no_init_weights():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.tie_weights()
-        release_freed_host_memory()
-        return model
+        return build_partitioned(config, dtype, self.config)
 
     def filler(self, lm, weights: Optional[CheckpointWeights], seed: int) -> Fill:
         if self.stage != 3:
             return super().filler(lm, weights, seed)
+        from litft.strategies.zero3_build import PartitionedFill
+
         return PartitionedFill(Materializer(lm.model, lm.hf_model, weights, seed), lm.model, self._dtype)
 
     def setup(self, fabric, lm, fill: Fill, on_device: bool):

@@ -112,12 +112,19 @@ import json, os, sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed
 import torch.distributed as dist
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+gathered = []
+gather = GatheredParameters.__init__
+def counting(self, params, *args, **kwargs):
+    gathered.extend(p.ds_numel for p in params if hasattr(p, "ds_id"))
+    gather(self, params, *args, **kwargs)
+GatheredParameters.__init__ = counting
 initialize = deepspeed.initialize
 def recording(*args, model=None, **kwargs):
     held = {n: [p.numel(), getattr(p, "ds_numel", None), p.ds_tensor.numel() if hasattr(p, "ds_tensor") else None]
             for n, p in model.named_parameters()}
     with open(os.path.join(os.environ["PARTITIONS"], f"rank-{dist.get_rank()}.json"), "w") as f:
-        json.dump(held, f)
+        json.dump({"held": held, "gathered": sum(gathered)}, f)
     return initialize(*args, model=model, **kwargs)
 deepspeed.initialize = recording
 from litft.__main__ import main
@@ -141,8 +148,14 @@ def zero3_two_ranks(tmp_path_factory):
 
 
 def test_zero3_never_holds_the_whole_model_before_deepspeed_initialize(zero3_two_ranks):
-    """Built under zero.Init and filled module by module: every weight is already a partition of half when ZeRO gets it."""
-    _, ranks = zero3_two_ranks
+    """Built under zero.Init and filled in place: every weight is already a partition of half when ZeRO gets it.
+
+    Every weight comes from the checkpoint, so each rank copies its own slice out of
+    the file and no parameter is ever gathered whole on a rank.
+    """
+    _, recorded = zero3_two_ranks
+    assert [r["gathered"] for r in recorded] == [0, 0]
+    ranks = [r["held"] for r in recorded]
     for held in ranks:
         assert len(held) == 38  # litft-tiny: every weight, each partitioned (the tied embedding once)
         for name, (local, whole, partition) in held.items():

@@ -126,8 +126,12 @@ def test_fsdp_bf16_with_activation_checkpointing_tracks_fp32(tmp_path, reference
     assert all(t.dtype == torch.float32 for t in load_file(out / "final" / "model.safetensors").values())
 
 
-def test_pretrain_from_config_untied_fsdp_matches_one_process(tmp_path, tiny_dir):
-    """Random init (a pure function of seed and tensor name) and untied embeddings sharded as units of their own."""
+def test_pretrain_from_config_untied_fsdp_and_zero3_match_one_process(tmp_path, tiny_dir):
+    """Random init (a pure function of seed and tensor name) and untied embeddings sharded as units of their own.
+
+    Under ZeRO-3 no value is sent at build time: a random init reaches each rank's
+    partition only from rank 0's fill of its module.
+    """
     import json
 
     config = json.loads((tiny_dir / "config.json").read_text())
@@ -136,9 +140,11 @@ def test_pretrain_from_config_untied_fsdp_matches_one_process(tmp_path, tiny_dir
     args = ["pretrain", tmp_path / "config.json", "--tokenizer", tiny_dir, *COMMON]
     run_cli(*args, "--train.micro_batch_size", "4", "--out_dir", tmp_path / "single")
     run_cli(*args, "--strategy", "fsdp", "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", tmp_path / "fsdp")
-    single, sharded = tmp_path / "single", tmp_path / "fsdp"
+    run_cli(*args, *LAYOUTS["zero3"][0], "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", tmp_path / "zero3")
+    single = tmp_path / "single"
     assert "lm_head.weight" in load_file(single / "final" / "model.safetensors")
-    assert_same_training(single, sharded, "finetune_full", (0.5, 0.5, 0.5))
+    assert_same_training(single, tmp_path / "fsdp", "finetune_full", (0.5, 0.5, 0.5))
+    assert_same_training(single, tmp_path / "zero3", "finetune_full", LAYOUTS["zero3"][1])
 
 
 def free_port() -> int:

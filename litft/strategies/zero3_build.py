@@ -1,0 +1,109 @@
+"""How a ZeRO-3 run builds and fills its model so that no rank ever holds the whole of it.
+
+Imported only when a ZeRO-3 run builds its model: DeepSpeed is an optional dependency.
+"""
+
+import deepspeed
+import torch
+from deepspeed import comm
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+from transformers import AutoModelForCausalLM
+from transformers.initialization import no_init_weights
+
+from litft.device import release_freed_host_memory
+from litft.weights import Materializer
+
+
+class PartitionOnBuild(deepspeed.zero.Init):
+    """``zero.Init`` without its broadcast of each new parameter from rank 0.
+
+    DeepSpeed sends every freshly built parameter whole from rank 0 so that random
+    init values agree across ranks. litft's filler gives every value afterwards,
+    so that broadcast would move the whole model over the network at start-up only
+    to be overwritten, and each receiving rank would write (so hold) every tensor
+    whole for a moment. Each parameter is only cut into its partition here.
+    """
+
+    def _zero_init_param(self, param):
+        self._convert_to_deepspeed_param(param)
+        param.partition()
+
+
+def build_partitioned(config, dtype: torch.dtype, ds_config: dict) -> torch.nn.Module:
+    """The model's modules, each parameter partitioned over the ranks as soon as its module is built (values come from ``PartitionedFill``).
+
+    Every rank builds the same modules in the same order. transformers' init is
+    skipped (the filler gives every value), so tied weights are tied here.
+    """
+    with PartitionOnBuild(config_dict_or_path=ds_config), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    release_freed_host_memory()
+    return model
+
+
+class PartitionedFill:
+    """Gives a model built under ``zero.Init`` its first values, one module at a time.
+
+    A tensor the checkpoint holds goes straight into each rank's own partition:
+    every rank copies its slice of the flattened tensor out of the file's memory
+    mapping, so no rank holds more than its partition and no bytes cross ranks.
+    The rest (a seeded init, which needs the whole module; NVMe-offloaded or
+    secondary partitions) is whole on every rank only while its module is filled:
+    rank 0 computes it as ``Materializer`` does under every other strategy and
+    leaving ``GatheredParameters`` sends it to every rank's partition. Buffers and
+    LoRA adapters (ordinary tensors until ``deepspeed.initialize``) are the same
+    on every rank and filled on each.
+    """
+
+    def __init__(self, materializer: Materializer, root: torch.nn.Module, dtype: torch.dtype):
+        self.materializer, self.root, self.dtype = materializer, root, dtype
+
+    @torch.no_grad()
+    def __call__(self, part: torch.nn.Module) -> None:
+        first = comm.get_rank() == 0
+        module_names = {id(m): n for n, m in self.root.named_modules(remove_duplicate=False)}
+        done = set()  # a tied parameter is filled once, under its first module
+        for module in part.modules():
+            partitioned = {a: p for a, p in module._parameters.items() if hasattr(p, "ds_id") and id(p) not in done}
+            done.update(id(p) for p in partitioned.values())
+            local = [(kind, a, t) for kind in ("_parameters", "_buffers") for a, t in getattr(module, kind).items()
+                     if t is not None and not hasattr(t, "ds_id")]
+            keys = {a: self.materializer.checkpoint_key(module, "_parameters", a, p) for a, p in partitioned.items()}
+            # A module's init needs its parameters whole, so only a module the checkpoint fills entirely is filled in place.
+            if all(keys.values()) and all(self.materializer.checkpoint_key(module, kind, a, t) for kind, a, t in local):
+                partitioned = {a: p for a, p in partitioned.items() if not _fill_own_partition(p, self.materializer, keys[a])}
+            slots = [(kind, a, _template(t.shape, t.dtype, t.requires_grad), t) for kind, a, t in local]
+            if first:
+                slots += [("_parameters", a, _template(p.ds_shape, self.dtype, p.requires_grad), p) for a, p in partitioned.items()]
+            with GatheredParameters(list(partitioned.values()), modifier_rank=0):
+                if slots:
+                    self.materializer.fill_slots(module_names.get(id(module), ""), module, slots)
+                if first:
+                    for attr, param in partitioned.items():
+                        param.data.copy_(module._parameters[attr].data)
+                        module._parameters[attr] = param
+            if partitioned:
+                release_freed_host_memory()
+
+
+def _fill_own_partition(param, materializer: Materializer, key: str) -> bool:
+    """Copy this rank's slice of the checkpoint's tensor into its ZeRO-3 partition; False where DeepSpeed keeps the partition elsewhere.
+
+    DeepSpeed partitions a parameter by flattening it and giving rank r the
+    elements from r x partition size, the last partition padded.
+    """
+    own = param.ds_tensor
+    if getattr(param, "ds_secondary_tensor", None) is not None or getattr(own, "final_location", None) == OffloadDeviceEnum.nvme:
+        return False
+    flat = materializer.stored(key, param.ds_shape).reshape(-1)
+    start = own.ds_numel * comm.get_rank(group=param.ds_process_group)
+    count = max(0, min(own.ds_numel, param.ds_numel - start))
+    own.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
+    own.narrow(0, count, own.numel() - count).zero_()
+    return True
+
+
+def _template(shape, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
