@@ -41,14 +41,14 @@ if "--lightning_no_sync" in sys.argv:  # what Lightning's no_backward_sync does:
                 unit.set_requires_gradient_sync(True, recurse=False)
     fsdp.ReplicaSync.no_backward_sync = no_sync
 step = loop.train_step
-growth = []
+peaks = []
 def measured(trainer, batch):
     with PeakGrowth() as peak:
         step(trainer, batch)
-    growth.append(peak.mb)
+    peaks.append(peak.before + peak.mb)
     if trainer.state.step == trainer.total_steps:
-        print(f"rank {trainer.fabric.global_rank}: micro-batches per step {len(batch.micro)}, peak growth during a step "
-              f"{max(growth[1:] or growth):.1f} MB", flush=True)
+        print(f"rank {trainer.fabric.global_rank}: micro-batches per step {len(batch.micro)}, peak during a step "
+              f"{max(peaks[1:]):.1f} MB (each step: {' '.join(f'{p:.0f}' for p in peaks)})", flush=True)
 loop.train_step = measured
 from litft.__main__ import main
 main(sys.argv[1:])
@@ -78,21 +78,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--lightning_no_sync", action="store_true")
     args = parser.parse_args()
     work = Path(os.environ.get("FSDP_ACCUMULATION_DIR") or tempfile.mkdtemp(prefix="litft-accumulation-"))
     folder = model_folder(work, args.hidden, args.layers)
     params = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**20
-    print(f"model: {params:.0f} MB of fp32 weights; FULL_SHARD on 2 ranks (a shard of weights or gradients: {params / 2:.0f} MB)")
+    print(f"model: {params:.0f} MB of fp32 weights; FULL_SHARD on {args.devices} ranks (a shard of weights or gradients: {params / args.devices:.0f} MB)")
     script = work / "measured_run.py"
     script.write_text(MEASURED_RUN)
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'benchmarks'}:{ROOT}", PYTHONUNBUFFERED="1")
-    for global_batch in (4, 16):  # 2 ranks x micro-batch 2: 1 and 4 micro-batches per step
+    # Every allocation of 128 KiB or more gets its own mapping, returned on free: resident memory then follows
+    # the live tensors instead of what glibc's heap keeps, which varied by +-200 MB from step to step.
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'benchmarks'}:{ROOT}", PYTHONUNBUFFERED="1", MALLOC_MMAP_THRESHOLD_="131072")
+    for global_batch in (2 * args.devices, 8 * args.devices):  # micro-batch 2 on each rank: 1 and 4 micro-batches per step
         command = [
             sys.executable, str(script), "finetune_full", str(folder), "--data", "TinyTasks", "--data.num_train", "64",
-            "--data.num_val", "4", "--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD", "--devices", "2",
+            "--data.num_val", "4", "--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD", "--devices", str(args.devices),
             "--accelerator", "cpu", "--precision", "32-true", "--train.micro_batch_size", "2",
-            "--train.global_batch_size", str(global_batch), "--train.max_steps", "3", "--eval.interval", "0",
+            "--train.global_batch_size", str(global_batch), "--train.max_steps", "6", "--eval.interval", "0",
             "--eval.initial_validation", "false", "--eval.final_validation", "false", "--train.save_interval", "null",
             "--out_dir", str(work / f"run-{global_batch}"), "--overwrite", "true",
         ] + (["--lightning_no_sync"] if args.lightning_no_sync else [])

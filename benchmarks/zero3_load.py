@@ -4,10 +4,12 @@ Saves a Llama of the given shape (random weights, 1.1 GB in fp32 by default) to 
 temporary folder once, then, for full finetuning, LoRA and QLoRA, starts N CPU
 processes that build the model exactly as a litft job does (the strategy's
 structure under ``zero.Init``, its filler module by module, then ``fabric.setup``,
-which is ``deepspeed.initialize``). Each rank prints how much its anonymous resident
-memory grew at its peak, first through the fill and then through ``fabric.setup``.
-The same runs on a tiny model give the fixed costs (DeepSpeed's engine, imports),
-which are subtracted before dividing by the model's size.
+which is ``deepspeed.initialize``; QLoRA quantizes and partitions a block at a time).
+Each rank prints how much its anonymous resident memory grew at its peak, first
+through the fill and then through ``fabric.setup``. The same runs on a tiny model
+give the fixed costs (DeepSpeed's engine, imports), which are subtracted before
+dividing by the model's fp32 size, and by the model as the ranks hold it (the
+partitions held times the ranks: for QLoRA, the 4-bit base).
 
     python benchmarks/zero3_load.py --layers 18 --hidden 1024 --devices 2 [--jobs full lora qlora]
 """
@@ -104,7 +106,8 @@ def main() -> None:
                 print(
                     f"{job:5s} rank {rank}: fill +{fill_growth:7.1f} MB = {fill_growth / sizes['big']:.3f} x model | "
                     f"through fabric.setup +{setup_growth:7.1f} MB = {setup_growth / sizes['big']:.3f} x model | "
-                    f"parameters held {big[2]:7.1f} MB | tiny baseline {tiny[0]:.1f} / {tiny[1]:.1f} MB", flush=True,
+                    f"parameters held {big[2]:7.1f} MB (fill = {fill_growth / (big[2] * args.devices):.3f} x the model as held) | "
+                    f"tiny baseline {tiny[0]:.1f} / {tiny[1]:.1f} MB", flush=True,
                 )
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -16,9 +16,9 @@ from litft.config import LoraArgs, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.lora import apply_lora, quantization_config
 from litft.loss import fuse_target_loss
-from litft.model import CausalLM, load_causal_lm, load_config
+from litft.model import CausalLM, keep_4bit_training_layout, load_causal_lm, load_config
 from litft.strategies.base import Fill, TrainingStrategy
-from litft.weights import CheckpointWeights, locate_checkpoint, skeleton, transformer_blocks
+from litft.weights import AdapterInit, CheckpointWeights, Materializer, locate_checkpoint, skeleton, transformer_blocks
 
 
 def build_model(
@@ -41,6 +41,7 @@ def build_model(
             # transformers' own choice of which Linear layers load in 4 bits (not the output head).
             AutoHfQuantizer.from_config(quantization, pre_quantized=False).preprocess_model(model, device_map=None)
             model.is_loaded_in_4bit = True  # what loading the weights would set; peft reads it
+            keep_4bit_training_layout(model)
     if attention is not None:
         model.set_attn_implementation(attention)
     if liger:
@@ -84,17 +85,20 @@ def build_module(
     The strategy builds the structure (on the meta device, or partitioned as it is
     built) and says how it is filled.
     """
+    quantized = lora is not None and lora.quantize is not None
+    # A 4-bit base is loaded whole by transformers unless the strategy quantizes it unit by unit as it fills (ZeRO-3).
+    loads_4bit = quantized and not strategy.fills_4bit
     model = build_model(
-        load_config(source), precision, lora, train.gradient_checkpointing, source=source, device=device, attention=attention,
-        structure=strategy.structure, liger=liger,
+        load_config(source), precision, lora, train.gradient_checkpointing, source=source if loads_4bit else None, device=device,
+        attention=attention, structure=skeleton if quantized else strategy.structure, liger=liger,
     )
     lm = CausalLM(model, train, total_steps=total_steps)
     if compile:
         # Each block on its own, before any strategy wraps or shards it; compiled lazily, at its first call.
         for block in transformer_blocks(lm.hf_model):
             block.compile()
-    if lora is not None and lora.quantize is not None:
-        return lm, lambda part: None, True
+    if loads_4bit:
+        return lm, AdapterInit(Materializer(lm.model, lm.hf_model, None, seed)), True
     weights = None if random_init else CheckpointWeights(locate_checkpoint(source))
     return lm, strategy.filler(lm, weights, seed), False
 

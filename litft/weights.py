@@ -163,7 +163,7 @@ class Materializer:
             getattr(module, kind)[attr] = value
             fresh.append((key, template, value))
         if any(key is None for key, _, _ in fresh):
-            self._init(name, module, [value for key, _, value in fresh if key is None])
+            self.initialize(name, module, [value for key, _, value in fresh if key is None])
             for key, template, value in fresh:
                 if key is not None:  # the module's init also touched these; the checkpoint wins
                     value.data.copy_(self._read(key, template))
@@ -190,7 +190,7 @@ class Materializer:
     def _read(self, key: str, meta: torch.Tensor) -> torch.Tensor:
         return self.stored(key, meta.shape).to(meta.dtype, copy=True)
 
-    def _init(self, name: str, module: nn.Module, values: List[torch.Tensor]) -> None:
+    def initialize(self, name: str, module: nn.Module, values: List[torch.Tensor]) -> None:
         """peft's adapter init for LoRA matrices, the model's own init for everything else."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed_for(self.seed, name))
@@ -204,6 +204,34 @@ class Materializer:
             else:
                 # Also recomputes non-persistent buffers such as the rotary frequencies.
                 self.hf_model._init_weights(module)
+
+
+class AdapterInit:
+    """The fill of a model loaded with real weights (a 4-bit base loaded by transformers): only its LoRA adapters get values.
+
+    They come from (seed, name) as under every other build, computed on the CPU, so a
+    QLoRA run starts from the same adapters whichever strategy and device builds it.
+    A part is filled once however often it is offered (FSDP offers each unit, then the root).
+    """
+
+    def __init__(self, materializer: Materializer):
+        self.materializer = materializer
+        self.done: set = set()
+
+    @torch.no_grad()
+    def __call__(self, part: nn.Module) -> None:
+        prefix = {id(m): n for n, m in self.materializer.root.named_modules(remove_duplicate=False)}
+        for module in part.modules():
+            if id(module) in self.done:
+                continue
+            self.done.add(id(module))
+            name = prefix.get(id(module), "")
+            params = [p for a, p in module._parameters.items() if p is not None and is_lora_tensor(f"{name}.{a}")]
+            if params:
+                values = [torch.empty(p.shape, dtype=p.dtype) for p in params]
+                self.materializer.initialize(checkpoint_name(name), module, values)
+                for param, value in zip(params, values):
+                    param.data.copy_(value)
 
 
 def transformer_blocks(hf_model: nn.Module) -> List[nn.Module]:

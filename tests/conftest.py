@@ -1,6 +1,7 @@
 """Shared fixtures: one litft home per test session, the tiny model, and a CLI runner."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,44 @@ def run_cli(*args, timeout=300, check=True, env=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"litft {' '.join(map(str, args))} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc
+
+
+# Runs litft with deepspeed.initialize patched to record, on every rank, how much of each
+# parameter the rank holds when ZeRO is handed the model (after the fill).
+RECORD_PARTITIONS = """
+import json, os, sys
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed
+import torch.distributed as dist
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+gathered = []
+gather = GatheredParameters.__init__
+def counting(self, params, *args, **kwargs):
+    gathered.extend(p.ds_numel for p in params if hasattr(p, "ds_id"))
+    gather(self, params, *args, **kwargs)
+GatheredParameters.__init__ = counting
+initialize = deepspeed.initialize
+def recording(*args, model=None, **kwargs):
+    held = {n: [p.numel(), getattr(p, "ds_numel", None), p.ds_tensor.numel() if hasattr(p, "ds_tensor") else None, type(p).__name__]
+            for n, p in model.named_parameters()}
+    with open(os.path.join(os.environ["PARTITIONS"], f"rank-{dist.get_rank()}.json"), "w") as f:
+        json.dump({"held": held, "gathered": sum(gathered)}, f)
+    return initialize(*args, model=model, **kwargs)
+deepspeed.initialize = recording
+from litft.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+def run_recording_zero3_partitions(root: Path, *args, timeout=300):
+    """Run litft with RECORD_PARTITIONS (its records in ``root``); per rank: ``{"held": {name: [numel, ds_numel, partition numel, type]}, "gathered": numel}``."""
+    script = root / "record_partitions.py"
+    script.write_text(RECORD_PARTITIONS)
+    env = dict(os.environ, PARTITIONS=str(root), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = sorted(root.glob("rank-*.json"))
+    return [json.loads(path.read_text()) for path in ranks]
 
 
 def read_metrics(out_dir):

@@ -72,6 +72,11 @@ class TrainingStrategy:
         self.fabric = None
 
     @property
+    def fills_4bit(self) -> bool:
+        """This strategy quantizes a 4-bit base itself, a unit at a time as it fills, instead of transformers loading it whole."""
+        return False
+
+    @property
     def host_device(self) -> str:
         """Where small collectives (counts, flags) can run without synchronizing the accelerator."""
         return "cpu" if "gloo" in self.backend else self.accelerator

@@ -223,12 +223,19 @@ class DeepSpeed(TrainingStrategy):
         self._dtype = dtype
         return build_partitioned(config, dtype, self.config)
 
+    @property
+    def fills_4bit(self) -> bool:
+        return self.stage == 3  # so the 4-bit base is partitioned as it is made, never whole on a rank
+
     def filler(self, lm, weights: Optional[CheckpointWeights], seed: int) -> Fill:
         if self.stage != 3:
             return super().filler(lm, weights, seed)
-        from litft.strategies.zero3_build import PartitionedFill
+        from litft.strategies.zero3_build import PartitionedFill, QuantizedPartitionedFill
 
-        return PartitionedFill(Materializer(lm.model, lm.hf_model, weights, seed), lm.model, self._dtype)
+        materializer = Materializer(lm.model, lm.hf_model, weights, seed)
+        if getattr(lm.hf_model, "is_loaded_in_4bit", False):
+            return QuantizedPartitionedFill(materializer, lm.hf_model, self.config)
+        return PartitionedFill(materializer, lm.model, self._dtype)
 
     def setup(self, fabric, lm, fill: Fill, on_device: bool):
         """DeepSpeed takes model and optimizer together; its buckets are sized to the model now that it is known."""

@@ -3,16 +3,18 @@
 Imported only when a ZeRO-3 run builds its model: DeepSpeed is an optional dependency.
 """
 
+import bitsandbytes as bnb
 import deepspeed
 import torch
 from deepspeed import comm
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from transformers import AutoModelForCausalLM
 from transformers.initialization import no_init_weights
 
 from litft.device import release_freed_host_memory
-from litft.weights import Materializer
+from litft.weights import Materializer, transformer_blocks
 
 
 class PartitionOnBuild(deepspeed.zero.Init):
@@ -107,3 +109,57 @@ def _fill_own_partition(param, materializer: Materializer, key: str) -> bool:
 
 def _template(shape, dtype: torch.dtype, requires_grad: bool) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(requires_grad)
+
+
+class QuantizedPartitionedFill:
+    """QLoRA under ZeRO-3: a unit at a time (each block, then the rest), filled, its 4-bit layers quantized, then cut into partitions.
+
+    No rank holds more than its partitions and one unit's 4-bit layers in full
+    precision: the other tensors the checkpoint holds (embeddings, head, norms) are
+    partitioned empty and each rank copies in its own slice, as ``PartitionedFill``
+    does. Every rank quantizes the same values the same way, so the ranks agree
+    without sending a byte; the quantization is what transformers does while
+    loading a 4-bit model, and the adapters get the seeded values of every other build.
+    """
+
+    def __init__(self, materializer: Materializer, hf_model: torch.nn.Module, ds_config: dict):
+        self.materializer, self.hf_model, self.ds_config = materializer, hf_model, ds_config
+
+    @torch.no_grad()
+    def __call__(self, lm: torch.nn.Module) -> None:
+        device = torch.device(get_accelerator().current_device_name())  # quantized where it runs, with its statistics
+        partitioned = None  # the first ZeRO parameter: it converts the rest, as deepspeed.initialize would
+        for unit in [*transformer_blocks(self.hf_model), lm]:
+            layouts = {id(m): m.weight for m in unit.modules() if isinstance(m, bnb.nn.Linear4bit) and m.weight.is_meta}
+            stored = self._leave_empty([p for m in unit.modules() if id(m) not in layouts for p in m._parameters.values() if p is not None and p.is_meta])
+            self.materializer(unit)
+            for module in unit.modules():
+                if id(module) in layouts:
+                    value = module.weight.data
+                    module.weight = bnb.nn.Params4bit(value, requires_grad=False, **layouts[id(module)].__dict__).to(device)
+            fresh = [p for p in unit.parameters() if not hasattr(p, "ds_id")]
+            if partitioned is None:
+                PartitionOnBuild(module=unit, config_dict_or_path=self.ds_config)
+                partitioned = next(p for p in unit.parameters() if hasattr(p, "ds_id"))
+            elif fresh:
+                partitioned.convert_to_zero_parameters(param_list=fresh)
+            for param, key in stored:
+                if not _fill_own_partition(param, self.materializer, key):
+                    with GatheredParameters([param], modifier_rank=0):
+                        if comm.get_rank() == 0:
+                            param.data.copy_(self.materializer.stored(key, param.ds_shape))
+            release_freed_host_memory()
+
+    def _leave_empty(self, metas: list) -> list:
+        """Put an empty parameter (memory never written, so never resident) wherever a checkpoint tensor goes; ``(parameter, key)`` each."""
+        stored = []
+        for meta in {id(m): m for m in metas}.values():  # a tied tensor once
+            module, _, attr = self.materializer.owners[id(meta)][0]
+            key = self.materializer.checkpoint_key(module, "_parameters", attr, meta)
+            if key is None:
+                continue
+            param = torch.nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype), requires_grad=meta.requires_grad)
+            for owner, kind, owner_attr in self.materializer.owners[id(meta)]:  # tied: the same parameter everywhere
+                getattr(owner, kind)[owner_attr] = param
+            stored.append((param, key))
+        return stored

@@ -1,15 +1,12 @@
 """Resuming sharded runs in real gloo processes: same topology, 4 -> 2 -> 1 ranks, FULL_SHARD -> HYBRID_SHARD, DeepSpeed ZeRO-3 -> one rank -> ZeRO-2 and -> no DeepSpeed."""
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, read_metrics, run_cli
+from tests.conftest import read_metrics, run_cli, run_recording_zero3_partitions
 
 COMMON = [
     "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8",
@@ -105,31 +102,6 @@ def test_convert_fsdp_checkpoint_matches_training_export(four_ranks, tmp_path):
     torch.testing.assert_close(ours, trained, rtol=0, atol=1e-6)
 
 
-# Runs litft with deepspeed.initialize patched to record, on every rank, how much of each
-# parameter the rank holds when ZeRO is handed the model (after the fill).
-RECORD_PARTITIONS = """
-import json, os, sys
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-import deepspeed
-import torch.distributed as dist
-from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-gathered = []
-gather = GatheredParameters.__init__
-def counting(self, params, *args, **kwargs):
-    gathered.extend(p.ds_numel for p in params if hasattr(p, "ds_id"))
-    gather(self, params, *args, **kwargs)
-GatheredParameters.__init__ = counting
-initialize = deepspeed.initialize
-def recording(*args, model=None, **kwargs):
-    held = {n: [p.numel(), getattr(p, "ds_numel", None), p.ds_tensor.numel() if hasattr(p, "ds_tensor") else None]
-            for n, p in model.named_parameters()}
-    with open(os.path.join(os.environ["PARTITIONS"], f"rank-{dist.get_rank()}.json"), "w") as f:
-        json.dump({"held": held, "gathered": sum(gathered)}, f)
-    return initialize(*args, model=model, **kwargs)
-deepspeed.initialize = recording
-from litft.__main__ import main
-main(sys.argv[1:])
-"""
 ZERO3 = ["--strategy", "deepspeed", "--deepspeed.stage", "3"]
 
 
@@ -137,14 +109,10 @@ ZERO3 = ["--strategy", "deepspeed", "--deepspeed.stage", "3"]
 def zero3_two_ranks(tmp_path_factory):
     """ZeRO-3 on 2 ranks, 6 steps, checkpoints at 2, 4 and 6, each rank's parameter partitions recorded: the reference."""
     root = tmp_path_factory.mktemp("zero3")
-    script, out = root / "record_partitions.py", root / "run"
-    script.write_text(RECORD_PARTITIONS)
-    env = dict(os.environ, PARTITIONS=str(root), PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    args = ["finetune_full", *COMMON, *ZERO3, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", str(out)]
-    proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = root / "run"
+    recorded = run_recording_zero3_partitions(root, "finetune_full", *COMMON, *ZERO3, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", out)
     assert len(list((checkpoint(out, 2) / "model").glob("*.distcp"))) == 2  # litft's DCP layout, not DeepSpeed's files
-    return out, [json.loads((root / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    return out, recorded
 
 
 def test_zero3_never_holds_the_whole_model_before_deepspeed_initialize(zero3_two_ranks):
@@ -158,9 +126,9 @@ def test_zero3_never_holds_the_whole_model_before_deepspeed_initialize(zero3_two
     ranks = [r["held"] for r in recorded]
     for held in ranks:
         assert len(held) == 38  # litft-tiny: every weight, each partitioned (the tied embedding once)
-        for name, (local, whole, partition) in held.items():
+        for name, (local, whole, partition, _) in held.items():
             assert local == 0 and whole > 0 and partition == -(-whole // 2), (name, local, whole, partition)
-    assert sum(p for _, _, p in ranks[0].values()) <= 0.51 * sum(w for _, w, _ in ranks[0].values())
+    assert sum(p for _, _, p, _ in ranks[0].values()) <= 0.51 * sum(w for _, w, _, _ in ranks[0].values())
 
 
 def test_zero3_resumes_on_one_rank_then_at_stage_2_and_sees_every_sample_once(zero3_two_ranks, tmp_path):

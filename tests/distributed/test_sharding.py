@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, read_metrics, run_cli, step_losses
+from tests.conftest import ROOT, read_metrics, run_cli, run_recording_zero3_partitions, step_losses
 
 COMMON = [
     "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8",
@@ -106,8 +106,18 @@ def test_two_ranks_match_one_process(tmp_path, reference, job, layout):
     ids=["ddp", "FULL_SHARD", "zero3"],
 )
 def test_qlora_on_two_ranks_matches_one_process(tmp_path, reference, flags, fractions):
+    """Under ZeRO-3 the 4-bit base is quantized a block at a time and partitioned as it is made, never whole on a rank."""
     out = tmp_path / "qlora"
-    run_cli("finetune_lora", *COMMON, *JOBS["qlora"][0], *flags, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", out)
+    args = ["finetune_lora", *COMMON, *JOBS["qlora"][0], *flags, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", out]
+    if "deepspeed" not in flags:
+        run_cli(*args)
+    else:
+        recorded = run_recording_zero3_partitions(tmp_path, *args)
+        assert [r["gathered"] for r in recorded] == [0, 0]  # each rank copied its own slices; nothing was sent whole
+        for rank in recorded:
+            assert sum(kind == "Params4bit" for *_, kind in rank["held"].values()) == 28  # 7 per block, 4 blocks
+            for name, (local, whole, partition, _) in rank["held"].items():
+                assert local == 0 and partition == -(-whole // 2), (name, local, whole, partition)
     assert_same_training(reference("qlora"), out, "qlora", fractions)
 
 
