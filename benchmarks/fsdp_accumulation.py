@@ -2,12 +2,15 @@
 
 FSDP2 with gradient sync off keeps every parameter's whole gradient on every rank
 until the last micro-batch; litft reduce-scatters after each micro-batch instead,
-so accumulation should cost nothing beyond the gradient shards. Each rank measures
-the growth of its anonymous resident memory during its training steps (sampled
-every 2 ms) and prints it beside the model's size. ``--lightning_no_sync`` turns
-gradient sync off during accumulation, as Lightning's no_backward_sync does, for the comparison.
+so accumulation costs only what its gradient shards add while the later
+micro-batches run. Each rank samples its anonymous resident memory every 2 ms
+and prints the peak of each training step (the first step, which makes the
+optimizer's states, is left out of the peak); glibc is told to map every large
+allocation on its own so that resident memory follows the live tensors.
+``--lightning_no_sync`` turns gradient sync off during accumulation, as
+Lightning's no_backward_sync does, for the comparison.
 
-    python benchmarks/fsdp_accumulation.py                      # litft: reduce-scatter every micro-batch
+    python benchmarks/fsdp_accumulation.py [--devices 2]        # litft: reduce-scatter every micro-batch
     python benchmarks/fsdp_accumulation.py --lightning_no_sync  # whole gradients kept during accumulation
 """
 
