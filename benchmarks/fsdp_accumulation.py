@@ -24,14 +24,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 MEASURED_RUN = """
+import os
 import sys
 from contextlib import contextmanager
 from benchkit import PeakGrowth
 from torch.distributed.fsdp import FSDPModule
 import litft.loop as loop
 from litft.strategies import fsdp
-if "--lightning_no_sync" in sys.argv:  # what Lightning's no_backward_sync does: no reduction until the last micro-batch
-    sys.argv.remove("--lightning_no_sync")
+# An environment variable, not a flag: Fabric starts the other ranks again from sys.argv, which litft parses.
+if os.environ.get("LIGHTNING_NO_SYNC") == "1":  # what Lightning's no_backward_sync does: no reduction until the last micro-batch
     @contextmanager
     def no_sync(self, module, enabled):
         units = [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -101,8 +102,8 @@ def main() -> None:
             "--train.global_batch_size", str(global_batch), "--train.max_steps", "6", "--eval.interval", "0",
             "--eval.initial_validation", "false", "--eval.final_validation", "false", "--train.save_interval", "null",
             "--out_dir", str(work / f"run-{global_batch}"), "--overwrite", "true",
-        ] + (["--lightning_no_sync"] if args.lightning_no_sync else [])
-        done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+        ]
+        done = subprocess.run(command, cwd=work, env=dict(env, LIGHTNING_NO_SYNC=str(int(args.lightning_no_sync))), capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
         print("\n".join(lines) if lines else done.stderr[-2000:])
 
