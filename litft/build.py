@@ -3,8 +3,9 @@
 Every model is built on the meta device (no memory), LoRA is applied there, and it
 gets real values only later, one unit at a time (``weights.Materializer``), as the
 strategy asks. A 4-bit base is the exception: bitsandbytes quantizes while
-loading, so a job loads it for real onto its device; the estimate puts the same
-4-bit layers in place without weights.
+loading, so a job loads it for real onto its device, unless its strategy
+quantizes a unit at a time as it fills (ZeRO-3); the estimate, and that strategy,
+put the same 4-bit layers in place without weights.
 """
 
 import warnings
@@ -28,8 +29,9 @@ def build_model(
     """The job's model: its structure (on the meta device, or as the strategy builds it), LoRA applied.
 
     A 4-bit base (``lora.quantize``) is loaded for real from ``source`` onto
-    ``device`` when a source is given (a job); without one (the estimate) its
-    layers are replaced as transformers replaces them while loading.
+    ``device`` when a source is given (a job); without one (the estimate, or a
+    strategy that fills 4-bit layers itself) its layers are replaced as
+    transformers replaces them while loading, on the meta device.
     """
     quantize = lora.quantize if lora is not None else None
     quantization = quantization_config(quantize, compute_dtype(precision))

@@ -140,8 +140,12 @@ class Materializer:
             return
         values = self.fill_slots(module_name, module, [(kind, attr, meta, meta) for kind, attr, meta in pending])
         for (_, _, meta), value in zip(pending, values):
-            for owner, owner_kind, owner_attr in self.owners[id(meta)]:  # a tied tensor everywhere it is used
-                getattr(owner, owner_kind)[owner_attr] = value
+            self.put(meta, value)
+
+    def put(self, known: torch.Tensor, value: torch.Tensor) -> None:
+        """``value`` in place of ``known`` wherever the model uses it (a tied tensor in each of its modules)."""
+        for owner, kind, attr in self.owners[id(known)]:
+            getattr(owner, kind)[attr] = value
 
     @torch.no_grad()
     def fill_slots(self, module_name: str, module: nn.Module, slots: List[tuple]) -> List[torch.Tensor]:

@@ -159,7 +159,6 @@ class QuantizedPartitionedFill:
             if key is None:
                 continue
             param = torch.nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype), requires_grad=meta.requires_grad)
-            for owner, kind, owner_attr in self.materializer.owners[id(meta)]:  # tied: the same parameter everywhere
-                getattr(owner, kind)[owner_attr] = param
+            self.materializer.put(meta, param)
             stored.append((param, key))
         return stored
