@@ -217,7 +217,9 @@ class FSDP(TrainingStrategy):
         states.buffers.append(("FSDP all-gathered parameters", Row(gathered, note=how)))
         reduce_bytes = 4 if mixed else low
         biggest = max(trained_units.values(), default=0)
-        states.buffers.append(("FSDP reduce-scatter", Row(biggest * (low + reduce_bytes), note="one unit's unsharded gradients")))
+        # Under accumulation the reduced shard is a buffer of its own until it is added to the earlier micro-batches' sum.
+        reduced = biggest * (low + reduce_bytes + reduce_bytes / shard)
+        states.buffers.append(("FSDP reduce-scatter", Row(reduced, note="one unit's unsharded gradients and their reduced shard")))
         return states
 
 

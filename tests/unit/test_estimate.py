@@ -57,6 +57,8 @@ def test_fsdp_shards_over_its_shard_group(kind, devices, nodes, shard):
     root = TENSORS[0].nbytes
     gathered = root + sum(blocks.values())  # SHARD_GRAD_OP keeps both; else the one in use and the next, prefetched
     assert buffers["FSDP all-gathered parameters"].gpu == gathered
+    # The largest trained unit (the root's embedding): its gradients, reduce-scatter input and the reduced shard accumulation adds in.
+    assert buffers["FSDP reduce-scatter"].gpu == 1024 * 64 * (4 + 4 + 4 / shard)
 
 
 def test_fsdp_rank_zero_takes_the_larger_chunk_and_4bit_weights_stay_whole():
