@@ -108,14 +108,15 @@ class Materializer:
     """
 
     def __init__(self, root: nn.Module, hf_model: nn.Module, weights: Optional[CheckpointWeights], seed: int):
-        self.root = root
         self.hf_model = hf_model
         self.weights = weights
         self.seed = seed
         # A tensor may be reachable under several names (tied input and output embeddings).
         self.names: Dict[int, List[str]] = defaultdict(list)
         self.owners: Dict[int, list] = defaultdict(list)
+        self.module_names: Dict[int, str] = {}  # each module's name under root, for the fills that walk a part
         for module_name, module in root.named_modules(remove_duplicate=False):
+            self.module_names[id(module)] = module_name
             for kind in ("_parameters", "_buffers"):
                 for attr, tensor in getattr(module, kind).items():
                     if tensor is not None:
@@ -124,9 +125,8 @@ class Materializer:
                         self.owners[id(tensor)].append((module, kind, attr))
 
     def __call__(self, part: nn.Module) -> None:
-        prefix = {id(m): n for n, m in self.root.named_modules(remove_duplicate=False)}
         for module in part.modules():
-            self._fill_module(prefix.get(id(module), ""), module)
+            self._fill_module(self.module_names.get(id(module), ""), module)
 
     @torch.no_grad()
     def _fill_module(self, module_name: str, module: nn.Module) -> None:
@@ -224,12 +224,11 @@ class AdapterInit:
 
     @torch.no_grad()
     def __call__(self, part: nn.Module) -> None:
-        prefix = {id(m): n for n, m in self.materializer.root.named_modules(remove_duplicate=False)}
         for module in part.modules():
             if id(module) in self.done:
                 continue
             self.done.add(id(module))
-            name = prefix.get(id(module), "")
+            name = self.materializer.module_names.get(id(module), "")
             params = [p for a, p in module._parameters.items() if p is not None and is_lora_tensor(f"{name}.{a}")]
             if params:
                 values = [torch.empty(p.shape, dtype=p.dtype) for p in params]

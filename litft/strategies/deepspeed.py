@@ -235,7 +235,7 @@ class DeepSpeed(TrainingStrategy):
         materializer = Materializer(lm.model, lm.hf_model, weights, seed)
         if getattr(lm.hf_model, "is_loaded_in_4bit", False):
             return QuantizedPartitionedFill(materializer, lm.hf_model, self.config)
-        return PartitionedFill(materializer, lm.model, self._dtype)
+        return PartitionedFill(materializer, self._dtype)
 
     def setup(self, fabric, lm, fill: Fill, on_device: bool):
         """DeepSpeed takes model and optimizer together; its buckets are sized to the model now that it is known."""

@@ -59,13 +59,12 @@ class PartitionedFill:
     on every rank and filled on each.
     """
 
-    def __init__(self, materializer: Materializer, root: torch.nn.Module, dtype: torch.dtype):
-        self.materializer, self.root, self.dtype = materializer, root, dtype
+    def __init__(self, materializer: Materializer, dtype: torch.dtype):
+        self.materializer, self.dtype = materializer, dtype
 
     @torch.no_grad()
     def __call__(self, part: torch.nn.Module) -> None:
         first = comm.get_rank() == 0
-        module_names = {id(m): n for n, m in self.root.named_modules(remove_duplicate=False)}
         done = set()  # a tied parameter is filled once, under its first module
         for module in part.modules():
             partitioned = {a: p for a, p in module._parameters.items() if hasattr(p, "ds_id") and id(p) not in done}
@@ -81,7 +80,7 @@ class PartitionedFill:
                 slots += [("_parameters", a, _template(p.ds_shape, self.dtype, p.requires_grad), p) for a, p in partitioned.items()]
             with GatheredParameters(list(partitioned.values()), modifier_rank=0):
                 if slots:
-                    self.materializer.fill_slots(module_names.get(id(module), ""), module, slots)
+                    self.materializer.fill_slots(self.materializer.module_names.get(id(module), ""), module, slots)
                 if first:
                     for attr, param in partitioned.items():
                         param.data.copy_(module._parameters[attr].data)
