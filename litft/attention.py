@@ -11,8 +11,12 @@ from the position ids by itself. Which one a run uses is chosen once
 (:func:`choose`) and said in the log.
 """
 
+import importlib
 import importlib.util
-from typing import Optional
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +36,118 @@ PACKED_SAFE = (SEGMENTS, "flash_attention_2")
 # On the CPU, samples are gathered into one padded call while that pads the attention by at most this factor.
 GATHER_PADDING_LIMIT = 1.25
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch < 2.10
-    varlen_attn = None
+# "module:function" of a kernel with the contract of torch's varlen_attn, used instead of torch's own; the tests
+# run the CUDA path on the CPU with stand-ins that keep that contract (tests/varlen_standins.py).
+KERNEL_VARIABLE = "LITFT_VARLEN_KERNEL"
+
+
+@dataclass(frozen=True)
+class VarlenKernel:
+    """A varlen flash kernel and what its signature takes, read once from the function itself.
+
+    torch shipped three signatures: 2.10 takes ``is_causal`` and no scale, 2.11 and
+    2.12 a keyword ``window_size`` and ``scale``, 2.13 adds ``enable_gqa``. The call is
+    built from what this one accepts, so no torch sees a keyword it does not know.
+    """
+
+    function: Callable
+    parameters: frozenset
+    device_type: str = "cuda"  # where the kernel runs; a stand-in says "cpu"
+    dtypes: Tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)  # flash kernels refuse fp32
+
+    @classmethod
+    def of(cls, function: Callable) -> "VarlenKernel":
+        return cls(function, frozenset(inspect.signature(function).parameters), getattr(function, "device_type", "cuda"))
+
+    @property
+    def causal(self) -> bool:
+        """Whether it can mask causally at all (every torch release so far can)."""
+        return bool({"window_size", "is_causal"} & self.parameters)
+
+    @property
+    def takes_gqa(self) -> bool:
+        return "enable_gqa" in self.parameters
+
+    def runs(self, device_type: str, dtype: torch.dtype, scaling: Optional[float], head_dim: int) -> bool:
+        """Whether this call can go to the kernel: its device, a half dtype, and a scale it can be given."""
+        default_scale = scaling is None or abs(scaling - head_dim**-0.5) < 1e-12
+        return self.causal and device_type == self.device_type and dtype in self.dtypes and ("scale" in self.parameters or default_scale)
+
+    def __call__(self, query, key, value, cu, longest: int, scaling: Optional[float]):
+        """Causal attention over flattened tokens (T, H, D) split into samples by ``cu``; K and V repeated where GQA is not taken."""
+        kwargs = {}
+        if "window_size" in self.parameters:
+            kwargs["window_size"] = (-1, 0)
+        else:
+            kwargs["is_causal"] = True
+        if "scale" in self.parameters:
+            kwargs["scale"] = scaling
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            if self.takes_gqa:
+                kwargs["enable_gqa"] = True
+            else:
+                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        return self.function(query, key, value, cu, cu, longest, longest, **kwargs)
+
+
+def find_varlen_kernel(variable: Optional[str] = None) -> Optional[VarlenKernel]:
+    """The kernel ``LITFT_VARLEN_KERNEL`` names, else torch's varlen_attn (torch 2.10 and later), else None."""
+    named = os.environ.get(KERNEL_VARIABLE) if variable is None else variable
+    if named:
+        module, _, name = named.partition(":")
+        try:
+            function = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as err:
+            raise LitftError(f"{KERNEL_VARIABLE}={named} cannot be imported ({err}); give module:function or unset it") from None
+        return VarlenKernel.of(function)
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return VarlenKernel.of(varlen_attn)
+
+
+VARLEN: Optional[VarlenKernel] = find_varlen_kernel()
+
+
+def use_varlen_kernel(kernel: Optional[VarlenKernel]) -> Optional[VarlenKernel]:
+    """Make ``kernel`` the one every later attention call uses; the previous one is returned (tests swap stand-ins)."""
+    global VARLEN
+    previous, VARLEN = VARLEN, kernel
+    return previous
+
+
+class AttentionRecord:
+    """What attention actually ran in this process: path and dtypes, once per kind (read by litft env --check and the tests)."""
+
+    def __init__(self):
+        self.seen: Dict[tuple, int] = {}
+
+    def note(self, path: str, received: torch.dtype, computed: torch.dtype) -> None:
+        key = (path, str(received).removeprefix("torch."), str(computed).removeprefix("torch."))
+        self.seen[key] = self.seen.get(key, 0) + 1
+
+    def clear(self) -> None:
+        self.seen.clear()
+
+    def paths(self) -> set:
+        return {path for path, _, _ in self.seen}
+
+    def computed(self) -> set:
+        return {dtype for _, _, dtype in self.seen}
+
+    def received(self) -> set:
+        return {dtype for _, dtype, _ in self.seen}
+
+
+RECORD = AttentionRecord()
+
+
+def compute_dtype_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's where it is on (q and k leave rotary in fp32 there, v does not), else the query's."""
+    device = query.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
 
 
 def segments_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
@@ -51,16 +163,22 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
         if position_ids is None:
             return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
         cu = cumulative_lengths(position_ids.expand(query.shape[0], -1).cpu())["cu_seq_lens_q"]  # transformers' default ids are (1, S)
+    received = query.dtype
+    dtype = compute_dtype_of(query, key, value)
+    # One dtype for all three: under autocast q and k come out of rotary in fp32 while v is already low precision.
+    query, key, value = (t.to(dtype) for t in (query, key, value))
     gqa = query.shape[1] != key.shape[1]
     dropout = dropout if module.training else 0.0
     batch, heads, width, dim = query.shape
-    if query.is_cuda and varlen_attn is not None and dropout == 0.0:
+    kernel = VARLEN
+    if kernel is not None and dropout == 0.0 and kernel.runs(query.device.type, dtype, scaling, dim):
         # Every sample of the batch in one call: tokens flattened, samples found by their cumulative lengths.
+        RECORD.note("varlen", received, dtype)
         flat = lambda t: t.transpose(1, 2).reshape(batch * width, t.shape[1], dim)  # noqa: E731
         longest = kwargs.get("max_length_q") or int(torch.diff(cu).max())
-        cu = cu.to(query.device, torch.int32)
-        out = varlen_attn(flat(query), flat(key), flat(value), cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=gqa)
+        out = kernel(flat(query), flat(key), flat(value), cu.to(query.device, torch.int32), longest, scaling)
         return out.reshape(batch, width, heads, dim), None
+    RECORD.note("sdpa", received, dtype)
     cu = cu.to(torch.long)
     lengths = torch.diff(cu)
     longest = int(lengths.max())
@@ -68,12 +186,12 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
         # Samples of similar length: one causal SDPA call, each gathered into a row of its own, padded at its end
         # with copies of its last token. Causality keeps real queries off that padding; what padding queries
         # produce is dropped. Only attention sees the padding; every other layer stays padding-free.
-        place = torch.arange(longest)
+        place = torch.arange(longest, device=cu.device)
         index = cu[:-1, None] + torch.minimum(place[None, :], lengths[:, None] - 1)  # samples, longest
         real = place[None, :] < lengths[:, None]
         q, k, v = (t.transpose(0, 1).reshape(t.shape[1], batch * width, dim)[:, index].transpose(0, 1) for t in (query, key, value))
         attended = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-        out = query.new_zeros(heads, batch * width, dim)  # tokens outside every sample (a row's tail) stay zero
+        out = attended.new_zeros(heads, batch * width, dim)  # tokens outside every sample (a row's tail) stay zero
         out[:, index[real]] = attended.transpose(0, 1)[:, real]
     else:
         # Lengths far apart: padding them to the longest would cost more than a call per sample.
@@ -97,24 +215,42 @@ AttentionInterface.register(SEGMENTS, segments_attention)
 AttentionMaskInterface.register(SEGMENTS, segments_mask)
 
 
-def choose(requested: str, accelerator: str) -> str:
+def choose(requested: str, accelerator: str, precision: str = "bf16-mixed") -> str:
     """The attention implementation a run uses: the user's, or the fastest here that keeps packed samples apart."""
     if requested not in CHOICES:
         raise LitftError(f"--attn_implementation {requested} is unknown; choose one of {', '.join(CHOICES)}")
-    if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    flash_attn = importlib.util.find_spec("flash_attn") is not None
+    if requested == "flash_attention_2" and not flash_attn:
         raise LitftError("--attn_implementation flash_attention_2 needs the flash-attn package (pip install flash-attn); use auto")
+    if requested == "flash_attention_2" and precision.startswith("32"):
+        raise LitftError("--attn_implementation flash_attention_2 takes fp16/bf16 only; use --precision bf16-mixed or --attn_implementation auto")
     if requested != "auto":
         return requested
-    if accelerator == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if accelerator == "cuda" and flash_attn and not precision.startswith("32"):
         return "flash_attention_2"
     return SEGMENTS
 
 
-def describe(implementation: str, accelerator: str) -> str:
-    """One line for the log: what attends, and how packed samples are kept apart."""
+def segments_path(device_type: str, precision: str, kernel: Optional[VarlenKernel] = None) -> Tuple[str, str]:
+    """How litft_segments will attend on this device at this precision, and why: ``("varlen" | "sdpa", reason)``."""
+    kernel = VARLEN if kernel is None else kernel
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else torch.float32
+    if kernel is None:
+        return "sdpa", f"torch {torch.__version__.split('+')[0]} has no varlen flash kernel (torch 2.10 and later do)"
+    if device_type != kernel.device_type:
+        return "sdpa", f"the varlen flash kernel runs on {kernel.device_type} only"
+    if dtype not in kernel.dtypes:
+        return "sdpa", f"{precision} attends in {str(dtype).removeprefix('torch.')} and the varlen flash kernel takes fp16/bf16 only"
+    gqa = "enable_gqa" if kernel.takes_gqa else "K/V heads repeated for grouped-query attention (this torch's kernel has no enable_gqa)"
+    return "varlen", f"{str(dtype).removeprefix('torch.')} on {device_type}; {gqa}"
+
+
+def describe(implementation: str, device_type: str, precision: str) -> str:
+    """One line for the log: what attends, in which kernel and why, and how packed samples are kept apart."""
     if implementation == SEGMENTS:
-        how = "torch's varlen flash kernel" if accelerator == "cuda" and varlen_attn is not None else "one causal SDPA call, a row per sample"
-        return f"attention: {SEGMENTS} ({how}; samples of a row kept apart without a mask)"
+        path, why = segments_path(device_type, precision)
+        how = "torch's varlen flash kernel" if path == "varlen" else "SDPA, one causal call with a row per sample"
+        return f"attention: {SEGMENTS} with {how} ({why}); samples of a row kept apart without a mask"
     if implementation == "flash_attention_2":
         return "attention: flash_attention_2 (varlen from the position ids; samples of a row kept apart without a mask)"
     return f"attention: {implementation} (padded batches; packed rows need a dense block-diagonal mask)"

@@ -55,7 +55,7 @@ def build_model(
         if gradient_checkpointing:
             enable_checkpointing(model)
         if lora is not None:
-            model = apply_lora(model, lora, gradient_checkpointing)
+            model = apply_lora(model, lora)
     fuse_target_loss(model.get_base_model() if lora is not None else model)
     return model
 

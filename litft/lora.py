@@ -3,7 +3,7 @@
 from typing import Optional
 
 import torch
-from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from peft import LoraConfig, get_peft_model
 from transformers import BitsAndBytesConfig
 
 from litft.config import QUANTIZE_CHOICES, LoraArgs
@@ -28,16 +28,15 @@ def peft_config(lora: LoraArgs) -> LoraConfig:
     )
 
 
-def apply_lora(model, lora: LoraArgs, gradient_checkpointing: bool):
+def apply_lora(model, lora: LoraArgs):
     """Freeze the model and add LoRA adapters; only they get gradients and optimizer state."""
     lora.check()
-    if lora.quantize is not None:
-        # Keeps norms in fp32 and lets gradients reach the adapters through frozen 4-bit layers.
-        # peft re-enables checkpointing itself; torch's default there is the reentrant variant,
-        # which recomputes without the autocast and RNG state of the forward.
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
+    # Not peft's prepare_model_for_kbit_training: it casts every bf16 tensor but the 4-bit ones to fp32, which only a
+    # later whole-module cast undid, and none reaches ZeRO-3's partitions (a bf16-true QLoRA run attended in fp32 there).
+    # Norms and embeddings keep the run's dtype like every other frozen weight; checkpointing is already on, non-reentrant,
+    # so gradients reach the adapters through the frozen 4-bit layers without its input hook.
+    for param in model.parameters():
+        param.requires_grad_(False)
     try:
         return get_peft_model(model, peft_config(lora))
     except ValueError as err:

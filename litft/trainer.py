@@ -72,8 +72,8 @@ def plan_steps(train, num_samples: int, mean_tokens: float) -> int:
 class Trainer:
     """Owns a run's fabric, strategy, module, optimizer, scheduler, data, checkpointer and meter."""
 
-    def __init__(self, spec: "RunSpec", fabric, strategy, precision: str):
-        self.spec, self.fabric, self.strategy, self.precision = spec, fabric, strategy, precision
+    def __init__(self, spec: "RunSpec", fabric, strategy, precision: str, attention: str):
+        self.spec, self.fabric, self.strategy, self.precision, self.attention = spec, fabric, strategy, precision, attention
         self.state = LoopState()
         self.stops = StopRequests()
         self.watch = PeerWatch.idle()
@@ -95,6 +95,7 @@ class Trainer:
         accelerator = resolve_accelerator(spec.accelerator)
         precision = resolve_precision(spec.precision, accelerator)
         chosen = checked_strategy_class(layout, accelerator, precision)
+        attention = choose_attention(spec.attn_implementation, accelerator, precision)
         if spec.compile and not chosen.compiles:
             raise LitftError(f"--compile true is not supported under {chosen.name}; drop --compile or use --strategy fsdp or ddp")
         strategy = chosen(layout, accelerator, precision, spec.train)
@@ -106,7 +107,7 @@ class Trainer:
         fabric.launch()
         if batch_note:
             fabric.print(batch_note)
-        return cls(spec, fabric, strategy, precision)
+        return cls(spec, fabric, strategy, precision, attention)
 
     def prepare(self) -> None:
         """Data and tokenizer (rank 0 first), the model built, filled and wrapped, the checkpointer, a resume."""
@@ -136,8 +137,8 @@ class Trainer:
         self.total_steps = spec.train.max_steps if streamed else plan_steps(spec.train, num_train, mean_length(data.train))
         self.watch.at(0, "building the model")
         fabric.seed_everything(spec.seed, verbose=False)
-        attention = choose_attention(spec.attn_implementation, fabric.device.type)
-        fabric.print(describe_attention(attention, fabric.device.type))
+        attention = self.attention
+        fabric.print(describe_attention(attention, fabric.device.type, self.precision))
         self.lm, fill, on_device = build_module(
             source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed,
             device=fabric.device, strategy=self.strategy, attention=attention, compile=spec.compile,

@@ -12,9 +12,8 @@ their losses.
 import json
 import math
 import zlib
-from collections import defaultdict
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 from huggingface_hub import snapshot_download
@@ -111,18 +110,27 @@ class Materializer:
         self.hf_model = hf_model
         self.weights = weights
         self.seed = seed
-        # A tensor may be reachable under several names (tied input and output embeddings).
-        self.names: Dict[int, List[str]] = defaultdict(list)
-        self.owners: Dict[int, list] = defaultdict(list)
+        # Tensors are known by where they sit (module, kind, attribute), not by identity: a precision plugin's cast
+        # (bf16-true under FSDP) replaces buffers with new tensors between this walk and the fill. A tensor may sit
+        # in several places (tied input and output embeddings): one group of names and places each.
+        self.group_of: Dict[Tuple[int, str, str], int] = {}
+        self.names: List[List[str]] = []
+        self.owners: List[list] = []
         self.module_names: Dict[int, str] = {}  # each module's name under root, for the fills that walk a part
+        groups: Dict[int, int] = {}
         for module_name, module in root.named_modules(remove_duplicate=False):
             self.module_names[id(module)] = module_name
             for kind in ("_parameters", "_buffers"):
                 for attr, tensor in getattr(module, kind).items():
-                    if tensor is not None:
-                        full = f"{module_name}.{attr}" if module_name else attr
-                        self.names[id(tensor)].append(checkpoint_name(full))
-                        self.owners[id(tensor)].append((module, kind, attr))
+                    if tensor is None:
+                        continue
+                    if id(tensor) not in groups:
+                        groups[id(tensor)] = len(self.names)
+                        self.names.append([])
+                        self.owners.append([])
+                    group = self.group_of[(id(module), kind, attr)] = groups[id(tensor)]
+                    self.names[group].append(checkpoint_name(f"{module_name}.{attr}" if module_name else attr))
+                    self.owners[group].append((module, kind, attr))
 
     def __call__(self, part: nn.Module) -> None:
         for module in part.modules():
@@ -138,28 +146,27 @@ class Materializer:
         ]
         if not pending:
             return
-        values = self.fill_slots(module_name, module, [(kind, attr, meta, meta) for kind, attr, meta in pending])
-        for (_, _, meta), value in zip(pending, values):
-            self.put(meta, value)
+        values = self.fill_slots(module_name, module, [(kind, attr, meta) for kind, attr, meta in pending])
+        for (kind, attr, _), value in zip(pending, values):
+            self.put(module, kind, attr, value)
 
-    def put(self, known: torch.Tensor, value: torch.Tensor) -> None:
-        """``value`` in place of ``known`` wherever the model uses it (a tied tensor in each of its modules)."""
-        for owner, kind, attr in self.owners[id(known)]:
-            getattr(owner, kind)[attr] = value
+    def put(self, module: nn.Module, kind: str, attr: str, value: torch.Tensor) -> None:
+        """``value`` in this place and wherever else the model uses the same tensor (a tied tensor in each of its modules)."""
+        for owner, owner_kind, owner_attr in self.owners[self.group_of[(id(module), kind, attr)]]:
+            getattr(owner, owner_kind)[owner_attr] = value
 
     @torch.no_grad()
     def fill_slots(self, module_name: str, module: nn.Module, slots: List[tuple]) -> List[torch.Tensor]:
         """Put first values into some of ``module``'s tensors and return them, in order.
 
-        Each slot is ``(kind, attr, template, known)``: the new tensor gets the
-        template's shape and dtype, and ``known`` (a tensor this filler saw in the
-        model) gives its names. The model's init runs on the module holding the new
+        Each slot is ``(kind, attr, template)``: the new tensor gets the template's
+        shape and dtype. The model's init runs on the module holding the new
         tensors, so it needs the module itself, not only the values.
         """
         name = checkpoint_name(module_name)
         fresh = []
-        for kind, attr, template, known in slots:
-            key = self.checkpoint_key(module, kind, attr, known)
+        for kind, attr, template in slots:
+            key = self.checkpoint_key(module, kind, attr)
             # safetensors hands out views of its file mapping; the parameter gets its own memory.
             value = self._read(key, template) if key is not None else torch.empty(template.shape, dtype=template.dtype)
             if kind == "_parameters":
@@ -173,9 +180,9 @@ class Materializer:
                     value.data.copy_(self._read(key, template))
         return [value for _, _, value in fresh]
 
-    def checkpoint_key(self, module: nn.Module, kind: str, attr: str, known: torch.Tensor) -> Optional[str]:
+    def checkpoint_key(self, module: nn.Module, kind: str, attr: str) -> Optional[str]:
         """The checkpoint's name for one of ``module``'s tensors; None where the tensor is initialized instead."""
-        names = self.names[id(known)]
+        names = self.names[self.group_of[(id(module), kind, attr)]]
         persistent = kind == "_parameters" or attr not in module._non_persistent_buffers_set
         if self.weights is None or is_lora_tensor(names[0]) or not persistent:
             return None

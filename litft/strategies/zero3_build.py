@@ -71,13 +71,13 @@ class PartitionedFill:
             done.update(id(p) for p in partitioned.values())
             local = [(kind, a, t) for kind in ("_parameters", "_buffers") for a, t in getattr(module, kind).items()
                      if t is not None and not hasattr(t, "ds_id")]
-            keys = {a: self.materializer.checkpoint_key(module, "_parameters", a, p) for a, p in partitioned.items()}
+            keys = {a: self.materializer.checkpoint_key(module, "_parameters", a) for a in partitioned}
             # A module's init needs its parameters whole, so only a module the checkpoint fills entirely is filled in place.
-            if all(keys.values()) and all(self.materializer.checkpoint_key(module, kind, a, t) for kind, a, t in local):
+            if all(keys.values()) and all(self.materializer.checkpoint_key(module, kind, a) for kind, a, _ in local):
                 partitioned = {a: p for a, p in partitioned.items() if not _fill_own_partition(p, self.materializer, keys[a])}
-            slots = [(kind, a, _template(t.shape, t.dtype, t.requires_grad), t) for kind, a, t in local]
+            slots = [(kind, a, _template(t.shape, t.dtype, t.requires_grad)) for kind, a, t in local]
             if first:
-                slots += [("_parameters", a, _template(p.ds_shape, self.dtype, p.requires_grad), p) for a, p in partitioned.items()]
+                slots += [("_parameters", a, _template(p.ds_shape, self.dtype, p.requires_grad)) for a, p in partitioned.items()]
             with GatheredParameters(list(partitioned.values()), modifier_rank=0):
                 if slots:
                     self.materializer.fill_slots(self.materializer.module_names.get(id(module), ""), module, slots)
@@ -130,7 +130,9 @@ class QuantizedPartitionedFill:
         partitioned = None  # the first ZeRO parameter: it converts the rest, as deepspeed.initialize would
         for unit in [*transformer_blocks(self.hf_model), lm]:
             layouts = {id(m): m.weight for m in unit.modules() if isinstance(m, bnb.nn.Linear4bit) and m.weight.is_meta}
-            stored = self._leave_empty([p for m in unit.modules() if id(m) not in layouts for p in m._parameters.values() if p is not None and p.is_meta])
+            stored = self._leave_empty([
+                (m, a) for m in unit.modules() if id(m) not in layouts for a, p in m._parameters.items() if p is not None and p.is_meta
+            ])
             self.materializer(unit)
             for module in unit.modules():
                 if id(module) in layouts:
@@ -149,15 +151,21 @@ class QuantizedPartitionedFill:
                             param.data.copy_(self.materializer.stored(key, param.ds_shape))
             release_freed_host_memory()
 
-    def _leave_empty(self, metas: list) -> list:
-        """Put an empty parameter (memory never written, so never resident) wherever a checkpoint tensor goes; ``(parameter, key)`` each."""
-        stored = []
-        for meta in {id(m): m for m in metas}.values():  # a tied tensor once
-            module, _, attr = self.materializer.owners[id(meta)][0]
-            key = self.materializer.checkpoint_key(module, "_parameters", attr, meta)
+    def _leave_empty(self, places: list) -> list:
+        """Put an empty parameter (memory never written, so never resident) wherever a checkpoint tensor goes; ``(parameter, key)`` each.
+
+        ``places`` are ``(module, attr)`` of meta parameters; a tied tensor is made once, for all its places.
+        """
+        stored, made = [], set()
+        for module, attr in places:
+            meta = module._parameters[attr]
+            if not meta.is_meta or id(meta) in made:
+                continue
+            made.add(id(meta))
+            key = self.materializer.checkpoint_key(module, "_parameters", attr)
             if key is None:
                 continue
             param = torch.nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype), requires_grad=meta.requires_grad)
-            self.materializer.put(meta, param)
+            self.materializer.put(module, "_parameters", attr, param)
             stored.append((param, key))
         return stored

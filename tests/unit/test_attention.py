@@ -1,15 +1,18 @@
 """Batches reach attention without an S x S mask: padded rows keep SDPA's causal kernel, packed rows are kept apart by litft_segments."""
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from litft import attention
-from litft.attention import SEGMENTS, choose
+from litft.attention import SEGMENTS, VarlenKernel, choose
 from litft.config import TrainArgs
 from litft.data.base import IGNORE_INDEX, collate, pack
 from litft.errors import LitftError
 from litft.model import CausalLM, load_causal_lm
+from tests.varlen_standins import STANDINS
 
 
 @pytest.fixture
@@ -83,11 +86,91 @@ def test_packed_rows_are_kept_apart_without_a_mask(tiny_dir, sdpa_calls, monkeyp
         torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_auto_keeps_packed_samples_apart_on_the_cpu():
+def test_auto_keeps_packed_samples_apart_on_the_cpu(monkeypatch):
     assert choose("auto", "cpu") == SEGMENTS
     assert choose("sdpa", "cpu") == "sdpa"
     with pytest.raises(LitftError, match="--attn_implementation flash_attention_3 is unknown"):
         choose("flash_attention_3", "cpu")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+    assert choose("auto", "cuda", "bf16-mixed") == "flash_attention_2"
+    assert choose("auto", "cuda", "32-true") == SEGMENTS  # FlashAttention-2 refuses fp32
+    with pytest.raises(LitftError, match="flash_attention_2 takes fp16/bf16 only"):
+        choose("flash_attention_2", "cuda", "32-true")
+
+
+real_find_spec = importlib.util.find_spec
+
+
+@pytest.fixture(params=sorted(STANDINS))
+def standin(request):
+    """torch's varlen kernel as each torch release shipped it, on the CPU (tests/varlen_standins.py)."""
+    kernel = VarlenKernel.of(STANDINS[request.param])
+    previous = attention.use_varlen_kernel(kernel)
+    attention.RECORD.clear()
+    yield request.param, kernel
+    attention.use_varlen_kernel(previous)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+def test_cuda_path_through_each_torch_signature(tiny_dir, standin, precision):
+    """The varlen branch with each signature torch shipped: only keywords that release takes (G1), fp32 kept
+    off the kernel (G2), K/V repeated where there is no enable_gqa; the loss and gradients equal SDPA's."""
+    release, kernel = standin
+    lengths = [5, 9, 4, 7]
+    batch = collate(pack(samples(lengths), max_length=32), pad_id=0)
+    results = []
+    for implementation in (SEGMENTS, "sdpa"):
+        lm = tiny_lm(tiny_dir, implementation)
+        if precision == "bf16-true":
+            lm = lm.to(torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = lm.loss_sum(batch)
+        loss.backward()
+        results.append((loss.detach().float(), {n: p.grad.float() for n, p in lm.named_parameters()}))
+    (got, got_grads), (expected, expected_grads) = results
+    if precision == "32-true":
+        assert attention.RECORD.paths() == {"sdpa"}, attention.RECORD.seen
+        assert attention.RECORD.computed() == {"float32"}
+    else:
+        assert attention.RECORD.paths() == {"varlen"}, attention.RECORD.seen
+        assert attention.RECORD.computed() == {"bfloat16"}
+    assert attention.segments_path("cpu", precision, kernel)[0] == ("sdpa" if precision == "32-true" else "varlen")
+    error = 1e-5 if precision == "32-true" else 3e-2  # bf16 rounds differently in the two paths
+    assert abs(got - expected) <= error * abs(expected)
+    for name, grad in expected_grads.items():
+        assert torch.linalg.vector_norm(got_grads[name] - grad) <= error * torch.linalg.vector_norm(grad) + 1e-6, name
+
+
+def test_a_kernel_is_read_from_its_signature():
+    """What each torch release's kernel is given, read from its signature; a non-default scale never goes to 2.10's."""
+    from tests.varlen_standins import varlen_attn_2_10, varlen_attn_2_11, varlen_attn_2_13
+
+    old, middle, new = (VarlenKernel.of(f) for f in (varlen_attn_2_10, varlen_attn_2_11, varlen_attn_2_13))
+    assert (old.takes_gqa, middle.takes_gqa, new.takes_gqa) == (False, False, True)
+    assert old.runs("cpu", torch.bfloat16, 8**-0.5, 8) and not old.runs("cpu", torch.bfloat16, 0.3, 8)
+    assert middle.runs("cpu", torch.bfloat16, 0.3, 8) and not middle.runs("cpu", torch.float32, None, 8)
+    assert not new.runs("cuda", torch.bfloat16, None, 8)  # a stand-in runs where it says
+    real = attention.find_varlen_kernel("")
+    if real is not None:  # torch >= 2.10: the real kernel, read the same way
+        assert real.device_type == "cuda" and real.causal
+    with pytest.raises(LitftError, match="LITFT_VARLEN_KERNEL=nowhere:kernel cannot be imported"):
+        attention.find_varlen_kernel("nowhere:kernel")
+
+
+@pytest.mark.parametrize("gathered", [True, False])
+def test_cpu_bf16_mixed_packed_attention(tiny_dir, monkeypatch, gathered):
+    """G6: under CPU autocast q and k leave rotary in fp32 and v is bf16; both CPU paths attend in bf16 and train."""
+    monkeypatch.setattr(attention, "GATHER_PADDING_LIMIT", 1.5 if gathered else 1.0)
+    previous = attention.use_varlen_kernel(None)
+    try:
+        attention.RECORD.clear()
+        lm = tiny_lm(tiny_dir, SEGMENTS)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm.loss_sum(collate(pack(samples([5, 9, 4, 7]), max_length=32), pad_id=0))
+        loss.backward()
+    finally:
+        attention.use_varlen_kernel(previous)
+    assert attention.RECORD.computed() == {"bfloat16"} and torch.isfinite(loss)
 
 
 def test_segments_attention_without_position_ids_is_plain_causal(tiny_dir):

@@ -68,7 +68,7 @@ def test_lora_matches_flop_counter(targets):
     from litft.lora import apply_lora
 
     config = small_config()
-    model = apply_lora(build(config), LoraArgs(8, 16, 0.0, targets), gradient_checkpointing=False)
+    model = apply_lora(build(config), LoraArgs(8, 16, 0.0, targets))
     expected = flops_per_token(config, SEQ, trained="lora", lora_r=8, lora_targets=targets)
     assert expected == pytest.approx(counted_flops_per_token(model), rel=0.01)
     # The frozen base needs input gradients only: well under full training's 3x forward.
@@ -84,7 +84,7 @@ def test_recompute_counts_the_hardware_work_of_activation_checkpointing():
     assert full == pytest.approx(counted_flops_per_token(build(config, checkpointing=True)), rel=0.01)
     assert full > flops_per_token(config, SEQ)  # MFU's count leaves the recomputation out
     targets = ["q_proj", "v_proj"]
-    model = apply_lora(build(config, checkpointing=True), LoraArgs(8, 16, 0.0, targets), gradient_checkpointing=True)
+    model = apply_lora(build(config, checkpointing=True), LoraArgs(8, 16, 0.0, targets))
     lora = flops_per_token(config, SEQ, trained="lora", lora_r=8, lora_targets=targets, recompute=True)
     assert lora == pytest.approx(counted_flops_per_token(model), rel=0.01)
 

@@ -14,7 +14,7 @@ def materialized(tiny_dir, weights=True, seed=0, order="whole", lora=False):
         from litft.config import LoraArgs
         from litft.lora import apply_lora
 
-        model = apply_lora(model, LoraArgs(4, 8, 0.0, "all-linear"), gradient_checkpointing=False)
+        model = apply_lora(model, LoraArgs(4, 8, 0.0, "all-linear"))
     hf = model.get_base_model() if lora else model
     fill = Materializer(model, hf, CheckpointWeights(tiny_dir) if weights else None, seed)
     if order == "blocks":
