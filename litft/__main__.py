@@ -1,35 +1,73 @@
 """``litft <command> ...``: each subcommand is a function; its signature is the CLI and the YAML schema.
 
-The program quiets one library before importing the rest: bitsandbytes, imported
+The program quiets two libraries before importing the rest: bitsandbytes, imported
 by peft, logs advice to install an optional kernel package (which fetches kernels
-from the hub) on every process of every run, and that happens during the imports.
+from the hub) on every process of every run, and liger-kernel warns about other
+vendors' backends it cannot import; both happen during imports.
 """
 
+import difflib
+import inspect
 import logging
 import re
 import sys
+from typing import List, Optional
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# liger-kernel tries every vendor's backend of each op and warns about those this machine has no use for.
+logging.getLogger("liger_kernel.backends.registry").addFilter(lambda record: "could not be imported" not in record.getMessage())
 
 from jsonargparse import CLI, ArgumentParser, set_parsing_settings  # noqa: E402
 
 import litft.data  # noqa: E402,F401  (registers the --data choices)
 from litft.chat import chat, generate  # noqa: E402
 from litft.checkpoint.convert import convert, merge_lora  # noqa: E402
+from litft.envreport import env  # noqa: E402
 from litft.errors import LitftError  # noqa: E402
 from litft.estimate import estimate  # noqa: E402
-from litft.jobs import JOBS  # noqa: E402
+from litft.jobs import DEFAULT_DATA_FLAGS, JOBS  # noqa: E402
 from litft.launchers import without_local_rank_argument  # noqa: E402
 from litft.ray_worker import die_with_parent, inside_worker  # noqa: E402
 
 
 def parser_jobs() -> dict:
-    return {**JOBS, "convert": convert, "merge_lora": merge_lora, "estimate": estimate, "chat": chat, "generate": generate}
+    return {**JOBS, "convert": convert, "merge_lora": merge_lora, "estimate": estimate, "chat": chat, "generate": generate, "env": env}
 
 
 def configure_jsonargparse() -> None:
-    # Field docstrings become --help text; `litft finetune_lora <model>` works without --model.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True, parse_optionals_as_positionals=True)
+    # Field docstrings become --help text. Only the model is given by position (model_by_position): with
+    # jsonargparse's optionals-as-positionals, `--devcies 2` was read as two positional values for later flags.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+def model_by_position(argv: List[str], commands: dict) -> List[str]:
+    """``litft <job> MODEL ...`` as ``--model MODEL``: the one value a user gives by position, where the command has a default for it.
+
+    Commands whose first argument is required (chat, convert, ...) take it by position already.
+    A word beginning with ``-`` is never taken as the model.
+    """
+    if len(argv) < 2 or argv[0] not in commands or argv[1].startswith("-"):
+        return argv
+    first = next(iter(inspect.signature(commands[argv[0]]).parameters.values()))
+    if first.default is inspect.Parameter.empty:
+        return argv
+    return [argv[0], f"--{first.name}", argv[1], *argv[2:]]
+
+
+def default_data_named(argv: List[str]) -> List[str]:
+    """``--data.X`` options without ``--data`` (or a ``--config`` that may name it) refer to the job's default data: name it first."""
+    options = [i for i, word in enumerate(argv) if word.startswith("--data.")]
+    named = any(word == "--data" or word.startswith(("--data=", "--config")) for word in argv)
+    if not argv or argv[0] not in DEFAULT_DATA_FLAGS or not options or named:
+        return argv
+    return [*argv[: options[0]], *DEFAULT_DATA_FLAGS[argv[0]], *argv[options[0]:]]
+
+
+def nearest_flag(parser, unknown: str) -> Optional[str]:
+    """The known flag closest in spelling to ``unknown`` (``--devcies`` -> ``--devices``), if any is close."""
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    found = difflib.get_close_matches(unknown.split("=")[0], known, n=1, cutoff=0.6)
+    return found[0] if found else None
 
 
 class OneLineErrors(ArgumentParser):
@@ -38,6 +76,18 @@ class OneLineErrors(ArgumentParser):
     def error(self, message, ex=None):
         if not self.exit_on_error:
             return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        unrecognized = re.search(r"unrecognized arguments: (.*)", str(message), re.IGNORECASE)
+        if unrecognized:
+            words = unrecognized.group(1).split()
+            flag = next((w for w in words if w.startswith("-")), None)
+            if flag is None:
+                text = f"unexpected value {words[0]!r}: only the model is given by position, every other value after its --flag"
+            else:
+                near = nearest_flag(parser, flag)
+                text = f"unknown flag {flag}" + (f"; did you mean {near}?" if near else "")
+            print(f"litft: error: {text} (see {parser.prog.replace(' [options]', '')} --help)", file=sys.stderr)
+            sys.exit(2)
         text = re.sub(r'Parser key "([^"]+)":', r"--\1:", str(message))
         text = "; ".join(line.strip() for line in text.splitlines() if line.strip()).replace(":;", ":")
         text = re.sub(r"Expected a typing\.Literal\[(.*)\]\. Got value:", r"expected one of \1, got", text)
@@ -52,8 +102,9 @@ def main(argv=None) -> None:
         die_with_parent()  # a Ray worker's training ends with its actor
     configure_jsonargparse()
     try:
-        argv = without_local_rank_argument(sys.argv[1:] if argv is None else list(argv))
-        CLI(parser_jobs(), args=argv, as_positional=True, parser_class=OneLineErrors)
+        argv = model_by_position(without_local_rank_argument(sys.argv[1:] if argv is None else list(argv)), parser_jobs())
+        argv = default_data_named(argv)
+        CLI(parser_jobs(), args=argv, as_positional=True, parser_class=OneLineErrors, prog="litft")
     except LitftError as err:
         print(f"litft: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -11,6 +11,8 @@ put the same 4-bit layers in place without weights.
 import warnings
 from typing import Callable, Optional, Tuple
 
+import torch
+
 from transformers.quantizers import AutoHfQuantizer
 
 from litft.config import LoraArgs, TrainArgs
@@ -24,7 +26,7 @@ from litft.weights import AdapterInit, CheckpointWeights, Materializer, locate_c
 
 def build_model(
     config, precision: str, lora: Optional[LoraArgs], gradient_checkpointing: bool, *, source: Optional[str] = None, device=None,
-    attention: Optional[str] = None, structure: Callable = skeleton, liger: bool = False,
+    attention: Optional[str] = None, structure: Callable = skeleton, liger: bool = False, dtype: Optional[torch.dtype] = None,
 ):
     """The job's model: its structure (on the meta device, or as the strategy builds it), LoRA applied.
 
@@ -35,10 +37,11 @@ def build_model(
     """
     quantize = lora.quantize if lora is not None else None
     quantization = quantization_config(quantize, compute_dtype(precision))
+    dtype = dtype or param_dtype(precision)
     if quantize is not None and source is not None:
-        model = load_causal_lm(source, random_init=False, dtype=param_dtype(precision), quantization_config=quantization, device=device)
+        model = load_causal_lm(source, random_init=False, dtype=dtype, quantization_config=quantization, device=device)
     else:
-        model = structure(config, param_dtype(precision))
+        model = structure(config, dtype)
         if quantize is not None:
             # transformers' own choice of which Linear layers load in 4 bits (not the output head).
             AutoHfQuantizer.from_config(quantization, pre_quantized=False).preprocess_model(model, device_map=None)
@@ -92,7 +95,7 @@ def build_module(
     loads_4bit = quantized and not strategy.fills_4bit
     model = build_model(
         load_config(source), precision, lora, train.gradient_checkpointing, source=source if loads_4bit else None, device=device,
-        attention=attention, structure=skeleton if quantized else strategy.structure, liger=liger,
+        attention=attention, structure=skeleton if quantized else strategy.structure, liger=liger, dtype=strategy.model_dtype,
     )
     lm = CausalLM(model, train, total_steps=total_steps)
     if compile:

@@ -10,6 +10,7 @@ timeout.
 
 import os
 import secrets
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -208,6 +209,26 @@ def leave_process_group(fabric, failed: bool) -> None:
     if not failed:
         dist.barrier()  # nobody tears down while a peer still talks to it
     dist.destroy_process_group()
+    forget_deepspeed_groups()
+
+
+def forget_deepspeed_groups() -> None:
+    """Drop DeepSpeed's cached process groups with the world they belonged to, so a later run in this process starts clean.
+
+    DeepSpeed keeps a clone of the world group in a module global; a second job in
+    the same process (a sweep, a notebook, litft env --check) would otherwise hand
+    the destroyed group to its engine and fail with "Group ... is not registered".
+    """
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release()
+        return
+    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):  # older DeepSpeed
+        if hasattr(groups, name):
+            setattr(groups, name, None)
 
 
 def check_shared_out_dir(fabric, out_dir: Path) -> None:

@@ -193,3 +193,10 @@ def pretrain(**flags) -> RunResult:
 
 
 JOBS = {"pretrain": pretrain, "finetune_lora": finetune_lora, "finetune_full": finetune_full}
+
+# Each job's default data as flags, so that its options (--data.num_train 64) can be given without naming it.
+DEFAULT_DATA_FLAGS = {
+    "pretrain": ["--data", "TinyTasks", "--data.mask_prompt", "false", "--data.packing", "true"],
+    "finetune_lora": ["--data", "TinyTasks"],
+    "finetune_full": ["--data", "TinyTasks"],
+}

@@ -81,7 +81,7 @@ def continue_logs(fabric, step: int) -> None:
 class KnownNoise(logging.Filter):
     """Drops Lightning's process-group banners (one per rank, and a framed one); litft's own line gives the world size."""
 
-    MESSAGES = ("Initializing distributed: GLOBAL_RANK", "All distributed processes registered")
+    MESSAGES = ("Initializing distributed: GLOBAL_RANK", "All distributed processes registered", "initializing deepspeed distributed: GLOBAL_RANK")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.MESSAGES)
@@ -101,7 +101,12 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
     # litft joins srun's tasks itself (litft/cluster.py), so Lightning's advice to prepend srun does not apply.
     warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system but is not used.*")
+    # DeepSpeed calls torch's old collective names on every step; advice for DeepSpeed, not the user.
+    warnings.filterwarnings(
+        "ignore", message=r".*`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*", category=FutureWarning
+    )
     # Lightning's rank-zero messages go to whichever logger its last imported package installed.
-    for logger in (logging.getLogger("lightning.fabric.utilities.distributed"), lightning_rank_zero.log):
+    loggers = ("lightning.fabric.utilities.distributed", "lightning.fabric.strategies.deepspeed")
+    for logger in (*map(logging.getLogger, loggers), lightning_rank_zero.log):
         if not any(isinstance(f, KnownNoise) for f in logger.filters):
             logger.addFilter(KnownNoise())

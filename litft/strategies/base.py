@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from litft.checkpoint.format import safe_reader
 from litft.config import Layout, TrainArgs
-from litft.device import compute_dtype
+from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
 from litft.memory import Param, States
 from litft.weights import CheckpointWeights, Materializer, skeleton
@@ -75,6 +75,11 @@ class TrainingStrategy:
     def fills_4bit(self) -> bool:
         """This strategy quantizes a 4-bit base itself, a unit at a time as it fills, instead of transformers loading it whole."""
         return False
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The dtype the model's weights are built in: the precision's (fp32 under autocast, whose masters they are)."""
+        return param_dtype(self.precision)
 
     @property
     def host_device(self) -> str:

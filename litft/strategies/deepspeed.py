@@ -224,6 +224,15 @@ class DeepSpeed(TrainingStrategy):
         return build_partitioned(config, dtype, self.config)
 
     @property
+    def model_dtype(self) -> torch.dtype:
+        """bf16/fp16 under both bf16 (or fp16) precisions: ZeRO runs a low-precision module and keeps fp32 masters itself.
+
+        Its engine casts the module at ``deepspeed.initialize``, but no cast reaches ZeRO-3
+        partitions made before it, so the model is built in that dtype from the start.
+        """
+        return compute_dtype(self.precision)
+
+    @property
     def fills_4bit(self) -> bool:
         return self.stage == 3  # so the 4-bit base is partitioned as it is made, never whole on a rank
 

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from jsonargparse import capture_parser
 
-from litft.__main__ import configure_jsonargparse, main, parser_jobs
+from litft.__main__ import configure_jsonargparse, default_data_named, main, model_by_position, parser_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8", "--train.max_steps", "1"]
@@ -41,11 +41,39 @@ def test_every_config_hub_yaml_parses(path):
     assert section.model and section.train.global_batch_size % section.train.micro_batch_size == 0
 
 
+def parse(args):
+    """What main parses for these words: the model taken by position, default data named for its options."""
+    return cli_parser().parse_args(default_data_named(model_by_position(args, parser_jobs())))
+
+
 def test_model_is_positional_and_yaml_readable(tmp_path):
-    cfg = cli_parser().parse_args(["finetune_lora", "some-org/some-model", "--lora_r", "4", "--data", "JSON", "--data.json_path", "x.json"])
+    cfg = parse(["finetune_lora", "some-org/some-model", "--lora_r", "4", "--data", "JSON", "--data.json_path", "x.json"])
     assert cfg.finetune_lora.model == "some-org/some-model"
     assert cfg.finetune_lora.lora_r == 4
     assert cfg.finetune_lora.data.class_path == "litft.data.JSON"
+
+
+def test_default_data_options_need_no_data_flag():
+    """--data.num_train alone sets the job's default data: TinyTasks, packed plain text for pretrain."""
+    full = parse(["finetune_full", "--data.num_train", "64"]).finetune_full.data
+    assert full.class_path == "litft.data.TinyTasks" and full.init_args.num_train == 64 and full.init_args.mask_prompt
+    text = parse(["pretrain", "--data.num_val=8"]).pretrain.data.init_args
+    assert text.num_val == 8 and text.packing and not text.mask_prompt
+
+
+@pytest.mark.parametrize("args, message", [
+    (["finetune_lora", "litft-tiny", "--devcies", "2"], "unknown flag --devcies; did you mean --devices?"),
+    (["finetune_full", "litft-tiny", "--foo"], "unknown flag --foo (see litft finetune_full --help)"),
+    (["finetune_full", "--train.max_stpes", "3"], "unknown flag --train.max_stpes; did you mean --train.max_steps?"),
+    (["finetune_full", "litft-tiny", "out/run"], "unexpected value 'out/run': only the model is given by position"),
+    (["finetune_full", "--foo", "litft-tiny"], "unknown flag --foo"),
+])
+def test_unknown_flags_are_named_before_anything_runs(tmp_path, capsys, monkeypatch, args, message):
+    """A flag litft does not know, or a second value by position, is one line; nothing trains and no folder appears."""
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(args, capsys)
+    assert code == 2 and err.startswith("litft: error: ") and message in err and "\n" not in err
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(

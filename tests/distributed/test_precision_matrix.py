@@ -1,0 +1,43 @@
+"""Every job x strategy x precision trains two steps on the CPU through the CUDA attention branch, or is refused in one line.
+
+The varlen flash kernel is replaced by a stand-in with torch 2.11's signature (no
+enable_gqa, fp16/bf16 only: tests/varlen_standins.py), so the branch a GPU takes
+runs here; each case checks the dtype attention computes in and receives, and the
+dtype of the trained tensors its checkpoint stores (litft/selfcheck.py).
+"""
+
+import time
+
+import pytest
+
+from litft.config import DeepSpeedArgs, FSDPArgs, Layout
+from litft.errors import LitftError
+from litft.selfcheck import Case, matrix, run_case, run_matrix, summary_line
+from litft.strategies import checked_strategy_class
+from tests.conftest import ROOT
+
+STANDIN = {"LITFT_VARLEN_KERNEL": "tests.varlen_standins:varlen_attn_2_11", "PYTHONPATH": str(ROOT)}
+
+
+def test_every_job_strategy_and_precision(tmp_path):
+    cases = matrix()
+    assert len(cases) == 48  # 4 jobs (QLoRA counted) x one device, FSDP, ZeRO-2, ZeRO-3 x 32-true, bf16-mixed, bf16-true
+    results = run_matrix(cases, tmp_path, accelerator="cpu", world=2, env=STANDIN)
+    failed = [summary_line(r) for r in results if not r["passed"]]
+    assert not failed, "\n".join(failed)
+    by_name = {r["case"]: r for r in results}
+    # The bf16 runs went through the kernel's branch, the fp32 ones kept off it.
+    assert by_name["finetune_lora fsdp bf16-true"]["attention"] == ["varlen bfloat16 (got bfloat16)"]
+    assert by_name["pretrain zero3 32-true"]["attention"] == ["sdpa float32 (got float32)"]
+    assert by_name["finetune_qlora zero3 bf16-mixed"]["saved"] == ["float32"]
+
+
+def test_an_unsupported_combination_is_one_line_before_any_process(tmp_path):
+    """fp16 autocast on the CPU, and FSDP with fp16 anywhere (FSDP2 has no loss scaling), are refused before a process starts."""
+    started = time.perf_counter()
+    result = run_case(Case("finetune_qlora", "zero3", "16-mixed"), tmp_path / "run", "cpu", world=2)
+    assert result["refused"].startswith("--precision 16-mixed needs a GPU") and "\n" not in result["refused"]
+    assert not (tmp_path / "run").exists() and time.perf_counter() - started < 30  # nothing started, nothing written
+    layout = Layout("fsdp", 2, 1, FSDPArgs(), DeepSpeedArgs())
+    with pytest.raises(LitftError, match="^--strategy fsdp trains in 32-true, bf16-mixed or bf16-true; fp16 needs loss scaling"):
+        checked_strategy_class(layout, "cuda", "16-mixed")
