@@ -15,6 +15,7 @@ except bf16-true, where they are bf16, and DeepSpeed, which keeps fp32 masters o
 its bf16 module under both bf16 precisions).
 """
 
+import itertools
 import json
 import os
 import random
@@ -26,7 +27,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 JOB_NAMES = ("pretrain", "finetune_full", "finetune_lora", "finetune_qlora")
 STRATEGY_NAMES = ("single", "fsdp", "zero2", "zero3")  # ddp also runs: Case(job, "ddp", precision)
@@ -109,8 +110,11 @@ def saved_dtypes(checkpoint: Path) -> set:
     return {str(meta.properties.dtype).removeprefix("torch.") for key, meta in metadata.state_dict_metadata.items() if key in trained}
 
 
-def run_case(case: Case, out_dir: Path, accelerator: str, world: int) -> dict:
-    """Run one case in this process (every rank of it runs the same), and check what it left."""
+def run_case(case: Case, out_dir: Path, accelerator: str, world: int, rendezvous: Callable[[], None] = lambda: None) -> dict:
+    """Run one case in this process (every rank of it runs the same), and check what it left.
+
+    ``rendezvous`` is called before each run of the job: a process group is never formed twice on one port.
+    """
     from litft import attention
     from litft.errors import LitftError
     from litft.jobs import JOBS
@@ -123,10 +127,13 @@ def run_case(case: Case, out_dir: Path, accelerator: str, world: int) -> dict:
     try:
         if case.resume:
             # Uninterrupted, then the same run stopped half-way and resumed from its checkpoint: the same last loss.
+            rendezvous()
             whole = job(**dict(flags, out_dir=out_dir / "whole", overwrite=True))
             half = dict(flags, out_dir=out_dir / "resumed", overwrite=True)
             half["train"] = type(flags["train"])(**{**asdict(flags["train"]), "stop_after_steps": case.steps // 2})
+            rendezvous()
             job(**half)
+            rendezvous()
             resumed = job(**dict(flags, out_dir=out_dir / "resumed", resume="auto"))
             result["losses"] = [h["loss"] for h in whole.history if "loss" in h]
             result["resumed losses"] = [h["loss"] for h in resumed.history if "loss" in h]
@@ -136,6 +143,7 @@ def run_case(case: Case, out_dir: Path, accelerator: str, world: int) -> dict:
                 result["problems"].append(f"resumed loss differs from the uninterrupted run's by {difference:.2e} (relative)")
             done = resumed
         else:
+            rendezvous()
             done = job(**flags)
             result["losses"] = [h["loss"] for h in done.history if "loss" in h]
     except LitftError as err:
@@ -185,7 +193,7 @@ def free_port() -> int:
 
 
 def case_port(root: Path, index: int, rank: str, timeout: float = 600) -> int:
-    """The rendezvous port of case ``index``: rank 0 picks a free one when the case starts and leaves it in a file the others read."""
+    """The ``index``-th rendezvous port: rank 0 picks a free one when that run starts and leaves it in a file the others read."""
     path = root / f"port-{index:02d}"
     if rank == "0":
         scratch = path.with_suffix(".tmp")
@@ -268,12 +276,16 @@ def worker(plan_path: str, records: str, rank: str) -> None:
     """One process of the matrix: every case of the plan in turn, each on its own rendezvous port; rank 0 writes the results."""
     plan = json.loads(Path(plan_path).read_text())
     root = Path(plan["root"])
+    runs = itertools.count()
+
+    def rendezvous() -> None:
+        os.environ["MASTER_PORT"] = str(case_port(root, next(runs), rank))
+
     for index, fields in enumerate(plan["cases"]):
         case = Case(**fields)
-        if plan["world"] > 1 and case.distributed:
-            os.environ["MASTER_PORT"] = str(case_port(root, index, rank))
         out_dir = root / f"{index:02d}-{case.name.replace(' ', '-')}"
-        result = run_case(case, out_dir, plan["accelerator"], plan["world"])
+        distributed = plan["world"] > 1 and case.distributed
+        result = run_case(case, out_dir, plan["accelerator"], plan["world"], rendezvous if distributed else lambda: None)
         if rank == "0":
             with open(records, "a") as f:
                 f.write(json.dumps(result) + "\n")
