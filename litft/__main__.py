@@ -44,14 +44,15 @@ def model_by_position(argv: List[str], commands: dict) -> List[str]:
     """``litft <job> MODEL ...`` as ``--model MODEL``: the one value a user gives by position, where the command has a default for it.
 
     Commands whose first argument is required (chat, convert, ...) take it by position already.
-    A word beginning with ``-`` is never taken as the model.
+    A word beginning with ``-`` is never taken as the model. It goes last, so that it wins over a
+    ``--config`` file's ``model:``, as a value given on the command line should.
     """
     if len(argv) < 2 or argv[0] not in commands or argv[1].startswith("-"):
         return argv
     first = next(iter(inspect.signature(commands[argv[0]]).parameters.values()))
     if first.default is inspect.Parameter.empty:
         return argv
-    return [argv[0], f"--{first.name}", argv[1], *argv[2:]]
+    return [argv[0], *argv[2:], f"--{first.name}", argv[1]]
 
 
 def default_data_named(argv: List[str]) -> List[str]:

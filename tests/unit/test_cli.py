@@ -53,6 +53,15 @@ def test_model_is_positional_and_yaml_readable(tmp_path):
     assert cfg.finetune_lora.data.class_path == "litft.data.JSON"
 
 
+def test_model_by_position_wins_over_the_config_file(tmp_path):
+    """The quickstart passes a local folder by position with a config that names the hub id."""
+    config = tmp_path / "lora.yaml"
+    config.write_text("model: some-org/hub-model\nlora_r: 4\n")
+    cfg = parse(["finetune_lora", "/local/folder", "--config", str(config), "--lora_alpha", "8"])
+    assert cfg.finetune_lora.model == "/local/folder" and cfg.finetune_lora.lora_r == 4
+    assert cfg.finetune_lora.lora_alpha == 8
+
+
 def test_default_data_options_need_no_data_flag():
     """--data.num_train alone sets the job's default data: TinyTasks, packed plain text for pretrain."""
     full = parse(["finetune_full", "--data.num_train", "64"]).finetune_full.data
