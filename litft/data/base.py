@@ -227,7 +227,7 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
     tokens: where each sample starts (varlen), and the flat positions of the tokens
     that carry loss with the tokens they predict (for the loss on targets only).
     """
-    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    lengths = torch.cat([attended_lengths(s) for s in samples])
     if padding_free:
         labels = [s["labels"].clone() for s in samples]
         for later in labels[1:]:
@@ -249,7 +249,7 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
     return {
         "input_ids": input_ids, "labels": labels, "position_ids": position_ids,
         "ids": torch.stack([torch.as_tensor(s["id"]) for s in samples]),
-        "num_tokens": lengths.sum(), "lengths": lengths,  # each sample's length, for its FLOPs
+        "num_tokens": lengths.sum(), "lengths": lengths,  # what attends together, for the FLOPs
         "varlen": cumulative_lengths(position_ids),
         "targets": targets_of(labels),
     }
@@ -260,6 +260,13 @@ def targets_of(labels: torch.Tensor) -> Dict[str, torch.Tensor]:
     predicted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten()
     index = (predicted != IGNORE_INDEX).nonzero().flatten()
     return {"index": index, "labels": predicted[index]}
+
+
+def attended_lengths(sample: Sample) -> torch.Tensor:
+    """The lengths of the documents a sample attends as (a packed row is several), so MFU counts attention as it runs."""
+    if "position_ids" not in sample:
+        return torch.tensor([len(sample["input_ids"])])
+    return sample_lengths(sample["position_ids"][None])
 
 
 def sample_lengths(position_ids: torch.Tensor) -> torch.Tensor:

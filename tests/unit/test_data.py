@@ -148,3 +148,12 @@ def test_right_padding_does_not_change_the_loss(tiny_dir, tokenizer):
         together = lm.loss_sum(collate(samples, tokenizer.pad_token_id))
         apart = sum(lm.loss_sum(collate([s], tokenizer.pad_token_id)) for s in samples)
     torch.testing.assert_close(together, apart, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_rows_count_the_flops_of_their_documents():
+    """MFU's attention square is per document: a packed row of 3 + 5 tokens is not one of 8, padded or padding-free."""
+    samples = [{"input_ids": torch.arange(n), "labels": torch.arange(n), "id": torch.tensor(i)} for i, n in enumerate((3, 5, 4))]
+    rows = pack(samples[:2], max_length=8) + [samples[2]]
+    for padding_free in (False, True):
+        batch = collate(rows, pad_id=0, padding_free=padding_free)
+        assert batch["lengths"].tolist() == [3, 5, 4] and int(batch["num_tokens"]) == 12
