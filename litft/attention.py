@@ -170,34 +170,39 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
     gqa = query.shape[1] != key.shape[1]
     dropout = dropout if module.training else 0.0
     batch, heads, width, dim = query.shape
+    # Collate computed the longest sample on the host; reading it here would stall the GPU once per layer.
+    longest = kwargs.get("max_length_q") or int(torch.diff(cu).max())
     kernel = VARLEN
     if kernel is not None and dropout == 0.0 and kernel.runs(query.device.type, dtype, scaling, dim):
         # Every sample of the batch in one call: tokens flattened, samples found by their cumulative lengths.
         RECORD.note("varlen", received, dtype)
         flat = lambda t: t.transpose(1, 2).reshape(batch * width, t.shape[1], dim)  # noqa: E731
-        longest = kwargs.get("max_length_q") or int(torch.diff(cu).max())
         out = kernel(flat(query), flat(key), flat(value), cu.to(query.device, torch.int32), longest, scaling)
         return out.reshape(batch, width, heads, dim), None
     RECORD.note("sdpa", received, dtype)
-    cu = cu.to(torch.long)
+    cu = cu.to(query.device, torch.long)
     lengths = torch.diff(cu)
-    longest = int(lengths.max())
-    if len(lengths) * longest <= GATHER_PADDING_LIMIT * int(cu[-1]):
+    tokens = batch * width
+    if len(lengths) * longest <= GATHER_PADDING_LIMIT * tokens:
         # Samples of similar length: one causal SDPA call, each gathered into a row of its own, padded at its end
         # with copies of its last token. Causality keeps real queries off that padding; what padding queries
-        # produce is dropped. Only attention sees the padding; every other layer stays padding-free.
+        # produce is never read back. Only attention sees the padding; every other layer stays padding-free.
         place = torch.arange(longest, device=cu.device)
         index = cu[:-1, None] + torch.minimum(place[None, :], lengths[:, None] - 1)  # samples, longest
-        real = place[None, :] < lengths[:, None]
-        q, k, v = (t.transpose(0, 1).reshape(t.shape[1], batch * width, dim)[:, index].transpose(0, 1) for t in (query, key, value))
+        q, k, v = (t.transpose(0, 1).reshape(t.shape[1], tokens, dim)[:, index].transpose(0, 1) for t in (query, key, value))
         attended = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-        out = attended.new_zeros(heads, batch * width, dim)  # tokens outside every sample (a row's tail) stay zero
-        out[:, index[real]] = attended.transpose(0, 1)[:, real]
+        # Each token read back from its sample's row (a gather: no boolean mask, so nothing waits on the device).
+        token = torch.arange(tokens, device=cu.device)
+        sample = torch.searchsorted(cu[1:], token, right=True)
+        inside = sample < len(lengths)  # tokens after the last sample (a row's tail) stay zero
+        sample = sample.clamp(max=len(lengths) - 1)
+        picked = attended[sample, :, (token - cu[sample]).clamp(0, longest - 1)]  # tokens, heads, dim
+        out = torch.where(inside[:, None, None], picked, 0).permute(1, 0, 2)
     else:
         # Lengths far apart: padding them to the longest would cost more than a call per sample.
-        bounds = cu.tolist()
-        q, k, v = (t.transpose(0, 1).reshape(t.shape[1], 1, batch * width, dim) for t in (query, key, value))  # heads, 1, tokens, dim
-        out = query.new_zeros(heads, 1, batch * width, dim)
+        bounds = kwargs.get("litft_bounds") or cu.tolist()
+        q, k, v = (t.transpose(0, 1).reshape(t.shape[1], 1, tokens, dim) for t in (query, key, value))  # heads, 1, tokens, dim
+        out = query.new_zeros(heads, 1, tokens, dim)
         for start, end in zip(bounds, bounds[1:]):
             out[:, :, start:end] = F.scaled_dot_product_attention(
                 q[None, :, 0, start:end], k[None, :, 0, start:end], v[None, :, 0, start:end],

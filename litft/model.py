@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from litft.attention import PACKED_SAFE
+from litft.attention import PACKED_SAFE, SEGMENTS
 from litft.config import TrainArgs
 from litft.data.base import targets_of
 from litft.errors import LitftError
@@ -146,7 +146,10 @@ class CausalLM(L.LightningModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, varlen: Optional[dict] = None) -> torch.Tensor:
         # Where each sample of a row starts, for attention that keeps them apart (litft.attention).
-        extra = varlen if varlen is not None and self.hf_model.config._attn_implementation in PACKED_SAFE else {}
+        implementation = self.hf_model.config._attn_implementation
+        extra = varlen if varlen is not None and implementation in PACKED_SAFE else {}
+        if implementation != SEGMENTS:
+            extra = {key: value for key, value in extra.items() if not key.startswith("litft_")}
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
 
     def loss_sum(self, batch: dict) -> torch.Tensor:

@@ -280,13 +280,15 @@ def sample_lengths(position_ids: torch.Tensor) -> torch.Tensor:
 def cumulative_lengths(position_ids: torch.Tensor) -> dict:
     """The varlen keyword arguments of a batch (on the CPU, where collate made it): cumulative sample lengths and the longest.
 
-    transformers hands them to the attention function, and FlashAttention-2 takes them as they are.
+    transformers hands them to every attention call, and FlashAttention-2 takes them as they are. Computed
+    once per micro-batch before the model, so no layer reads anything back from the device.
     """
     lengths = sample_lengths(position_ids)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = lengths.cumsum(0)
     longest = int(lengths.max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    # litft_bounds: the same boundaries as host integers, for litft_segments' call per sample (model.py passes it to that path only).
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest, "litft_bounds": tuple(cu.tolist())}
 
 
 class SampleOrder:

@@ -214,3 +214,64 @@ def test_liger_kernels_train_as_the_models_own(tiny_dir):
     assert abs(plain - fused) <= 1e-4 * plain
     for name, grad in plain_grads.items():
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts what would wait for a GPU inside the decoder layers: a value read back to the host, or a shape that needs one."""
+
+    READS = {"item", "tolist", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy", "nonzero", "masked_select", "unique"}
+
+    def __init__(self, layers):
+        super().__init__()
+        self.depth, self.paused, self.reads = 0, False, []
+        for layer in layers:
+            layer.register_forward_pre_hook(lambda *_: setattr(self, "depth", self.depth + 1))
+            layer.register_forward_hook(lambda *_: setattr(self, "depth", self.depth - 1))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        boolean_index = name in ("__getitem__", "__setitem__") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if isinstance(args[1], tuple) else (args[1],))
+        )
+        to_host = name == "to" and "cpu" in [a for a in args[1:] if isinstance(a, str)]
+        if self.depth and not self.paused and (name in self.READS or boolean_index or to_host):
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path, lengths", [("varlen", [9, 7, 8, 8]), ("gathered", [9, 7, 8, 8]), ("per sample", [30, 2, 3])])
+def test_no_host_reads_inside_the_decoder_layers(tiny_dir, path, lengths):
+    """Sample boundaries are computed once per micro-batch by collate; no layer reads one back (on a GPU each read is a
+    stall, twice per layer per step before). The varlen kernel's stand-in computes on the host and is not counted."""
+    from functools import wraps
+
+    from litft.config import LoraArgs
+    from litft.lora import apply_lora
+
+    counter = None
+
+    @wraps(STANDINS["2.13"])
+    def kernel(*args, **kwargs):
+        counter.paused = True
+        try:
+            return STANDINS["2.13"](*args, **kwargs)
+        finally:
+            counter.paused = False
+
+    previous = attention.use_varlen_kernel(VarlenKernel.of(kernel))
+    try:
+        model = load_causal_lm(str(tiny_dir), random_init=False, dtype=torch.bfloat16 if path == "varlen" else torch.float32)
+        model.set_attn_implementation(SEGMENTS)
+        model = apply_lora(model, LoraArgs(r=4, dropout=0.0))
+        lm = CausalLM(model, TrainArgs()).train()
+        batch = collate(samples(lengths), pad_id=0, padding_free=True)
+        attention.RECORD.clear()
+        with HostReads(lm.hf_model.model.layers) as counter:
+            lm.loss_sum(batch).backward()
+        assert attention.RECORD.paths() == {"varlen" if path == "varlen" else "sdpa"}
+        assert counter.reads == [], counter.reads
+        with HostReads(lm.hf_model.model.layers) as fallback:  # the check itself sees reads: position ids only, no boundaries
+            lm(batch["input_ids"], batch["position_ids"])
+        assert fallback.reads
+    finally:
+        attention.use_varlen_kernel(previous)
