@@ -27,21 +27,25 @@ from litft.weights import AdapterInit, CheckpointWeights, Materializer, locate_c
 def build_model(
     config, precision: str, lora: Optional[LoraArgs], gradient_checkpointing: bool, *, source: Optional[str] = None, device=None,
     attention: Optional[str] = None, structure: Callable = skeleton, liger: bool = False, dtype: Optional[torch.dtype] = None,
+    frozen_dtype: Optional[torch.dtype] = None,
 ):
     """The job's model: its structure (on the meta device, or as the strategy builds it), LoRA applied.
 
     A 4-bit base (``lora.quantize``) is loaded for real from ``source`` onto
     ``device`` when a source is given (a job); without one (the estimate, or a
     strategy that fills 4-bit layers itself) its layers are replaced as
-    transformers replaces them while loading, on the meta device.
+    transformers replaces them while loading, on the meta device. ``frozen_dtype``
+    is a LoRA base's dtype where it differs from the trained weights' ``dtype``
+    (the strategy's ``frozen_base_dtype``: bf16 under bf16-mixed).
     """
     quantize = lora.quantize if lora is not None else None
     quantization = quantization_config(quantize, compute_dtype(precision))
     dtype = dtype or param_dtype(precision)
+    base_dtype = frozen_dtype if lora is not None and frozen_dtype is not None else dtype
     if quantize is not None and source is not None:
-        model = load_causal_lm(source, random_init=False, dtype=dtype, quantization_config=quantization, device=device)
+        model = load_causal_lm(source, random_init=False, dtype=base_dtype, quantization_config=quantization, device=device)
     else:
-        model = structure(config, dtype)
+        model = structure(config, base_dtype)
         if quantize is not None:
             # transformers' own choice of which Linear layers load in 4 bits (not the output head).
             AutoHfQuantizer.from_config(quantization, pre_quantized=False).preprocess_model(model, device_map=None)
@@ -59,6 +63,9 @@ def build_model(
             enable_checkpointing(model)
         if lora is not None:
             model = apply_lora(model, lora)
+            for param in model.parameters():
+                if param.requires_grad and param.dtype != dtype:
+                    param.data = param.data.to(dtype)  # the adapters: fp32 masters under autocast whatever the base
     fuse_target_loss(model.get_base_model() if lora is not None else model)
     return model
 
@@ -96,6 +103,7 @@ def build_module(
     model = build_model(
         load_config(source), precision, lora, train.gradient_checkpointing, source=source if loads_4bit else None, device=device,
         attention=attention, structure=skeleton if quantized else strategy.structure, liger=liger, dtype=strategy.model_dtype,
+        frozen_dtype=strategy.frozen_base_dtype(precision),
     )
     lm = CausalLM(model, train, total_steps=total_steps)
     if compile:

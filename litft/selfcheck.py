@@ -10,9 +10,10 @@ the matrix to minutes.
 
 What a case checks, beside finishing: the dtype attention computes in (bf16 under
 both bf16 precisions) and receives (bf16 under bf16-true: nothing upcast on the
-way), and the dtype of the trained tensors the checkpoint stores (fp32 masters
+way), the dtype of the trained tensors the checkpoint stores (fp32 masters
 except bf16-true, where they are bf16, and DeepSpeed, which keeps fp32 masters of
-its bf16 module under both bf16 precisions).
+its bf16 module under both bf16 precisions), and that of a LoRA run's frozen base
+(bf16 under both bf16 precisions, where the strategy can hold two dtypes).
 """
 
 import itertools
@@ -54,12 +55,17 @@ class Case:
 
     def expected(self) -> Dict[str, str]:
         """The dtypes this case must show: attention's compute and input, and the checkpoint's trained tensors."""
+        from litft.strategies import DeepSpeed, FSDP, SingleDevice
+
         low = self.precision.startswith("bf16")
         deepspeed = self.strategy.startswith("zero")
+        strategy = DeepSpeed if deepspeed else FSDP if self.strategy == "fsdp" else SingleDevice
+        frozen_low = self.precision == "bf16-true" or (low and (deepspeed or strategy.frozen_base_dtype(self.precision) is not None))
         return {
             "attention": "bfloat16" if low else "float32",
             "attention input": "bfloat16" if self.precision == "bf16-true" else "any",
             "saved": "bfloat16" if self.precision == "bf16-true" and not deepspeed else "float32",
+            "frozen": ("bfloat16" if frozen_low else "float32") if self.job_function == "finetune_lora" else "none",
         }
 
     def flags(self, out_dir: Path, accelerator: str, world: int) -> dict:
@@ -169,6 +175,10 @@ def run_case(case: Case, out_dir: Path, accelerator: str, world: int, rendezvous
     result["saved"] = sorted(saved)
     if saved != {expected["saved"]}:
         result["problems"].append(f"the checkpoint stores trained tensors in {sorted(saved)}, expected {expected['saved']}")
+    frozen = {str(p.dtype).removeprefix("torch.") for p in done.model.parameters() if not p.requires_grad and p.is_floating_point()}
+    result["frozen"] = sorted(frozen)
+    if frozen != ({expected["frozen"]} if expected["frozen"] != "none" else set()):
+        result["problems"].append(f"the frozen base is in {sorted(frozen)}, expected {expected['frozen']}")
     if not all(map(_finite, result["losses"])) or not result["losses"]:
         result["problems"].append(f"losses {result['losses']}")
     result["passed"] = not result["problems"]

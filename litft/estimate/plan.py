@@ -73,14 +73,15 @@ def plan_memory(flags: dict) -> dict:
     config = load_config(resolve_model(source))
     if flags["attention"] is not None:
         config._attn_implementation = flags["attention"]
-    tensors = model_tensors(build_model(config, precision, lora, False), flags["quantize"])
+    frozen_dtype = strategy.frozen_base_dtype(precision)
+    tensors = model_tensors(build_model(config, precision, lora, False, frozen_dtype=frozen_dtype), flags["quantize"])
     states = strategy.memory_layout(tensors, layout, precision, train, hidden_size=config.hidden_size)
     facts = strategy.facts(layout, precision)
 
     params_dtype, autocast = strategy.compute_view(layout, precision)
     traced = {}
     for checkpointing in (train.gradient_checkpointing, not train.gradient_checkpointing):
-        build = {"precision": precision, "lora": lora, "gradient_checkpointing": checkpointing}
+        build = {"precision": precision, "lora": lora, "gradient_checkpointing": checkpointing, "frozen_dtype": frozen_dtype}
         traced[checkpointing] = trace_activations(config, build, params_dtype, autocast, train.micro_batch_size, flags["seq_len"])
     acts = traced[train.gradient_checkpointing]
     buffers = list(states.buffers)

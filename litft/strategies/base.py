@@ -81,6 +81,16 @@ class TrainingStrategy:
         """The dtype the model's weights are built in: the precision's (fp32 under autocast, whose masters they are)."""
         return param_dtype(self.precision)
 
+    @classmethod
+    def frozen_base_dtype(cls, precision: str) -> Optional[torch.dtype]:
+        """A LoRA base's dtype where it differs from the trained weights': the compute dtype under autocast.
+
+        Weights that never change need no fp32 master: in bf16 they take half the
+        memory, and autocast no longer casts each one before its matmul. The adapters
+        keep fp32 masters.
+        """
+        return compute_dtype(precision) if precision.endswith("-mixed") else None
+
     @property
     def host_device(self) -> str:
         """Where small collectives (counts, flags) can run without synchronizing the accelerator."""

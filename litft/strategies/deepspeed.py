@@ -223,6 +223,11 @@ class DeepSpeed(TrainingStrategy):
         self._dtype = dtype
         return build_partitioned(config, dtype, self.config)
 
+    @classmethod
+    def frozen_base_dtype(cls, precision: str) -> Optional[torch.dtype]:
+        """None: the whole module, base and adapters, is already in the compute dtype (``model_dtype``)."""
+        return None
+
     @property
     def model_dtype(self) -> torch.dtype:
         """bf16/fp16 under both bf16 (or fp16) precisions: ZeRO runs a low-precision module and keeps fp32 masters itself.

@@ -4,6 +4,9 @@ Lightning's own FSDPStrategy wraps FSDP1, which needs a GPU; FSDP2 runs on the C
 with gloo too, so every sharding strategy is tested in CI.
 """
 
+import functools
+import importlib
+import inspect
 import math
 from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Tuple
@@ -25,6 +28,30 @@ from litft.weights import transformer_blocks
 
 
 CHECKSUM_CHUNK = 2**20  # elements summed at a time by the replica check
+
+
+def _init_mp_dtypes_of_this_torch() -> Optional[Callable]:
+    for module in ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "torch.distributed._composable.fsdp._fsdp_param_group"):
+        try:
+            return importlib.import_module(module).FSDPParamGroup._init_mp_dtypes
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def frozen_dtype_may_differ(init_mp_dtypes: Optional[Callable] = None) -> bool:
+    """Whether this torch's FSDP2 lets a unit's frozen parameters have another dtype than its trained ones.
+
+    Newer releases ask one dtype of the trained parameters only; older ones (2.7 among
+    them) of every parameter of a unit, which a bf16 base under fp32 adapters breaks.
+    Read once from the check itself (``FSDPParamGroup._init_mp_dtypes``).
+    """
+    check = init_mp_dtypes or _init_mp_dtypes_of_this_torch()
+    try:
+        return check is not None and "requires_grad" in inspect.getsource(check)
+    except (OSError, TypeError):  # no source shipped: keep every parameter in one dtype
+        return False
 
 
 def mesh_shape(layout: Layout) -> Tuple[int, int]:
@@ -139,6 +166,11 @@ class FSDP(TrainingStrategy):
                 )
         if fsdp.cpu_offload and accelerator != "cuda":
             raise LitftError("--fsdp.cpu_offload moves GPU memory to the CPU; on --accelerator cpu there is nothing to offload, drop it")
+
+    @classmethod
+    def frozen_base_dtype(cls, precision: str) -> Optional[torch.dtype]:
+        """The compute dtype under autocast where this torch's FSDP2 takes a unit of two dtypes; else the trained weights'."""
+        return super().frozen_base_dtype(precision) if frozen_dtype_may_differ() else None
 
     @classmethod
     def facts(cls, layout: Layout, precision: str) -> dict:

@@ -97,29 +97,32 @@ def test_zero_offload_moves_bytes_to_the_cpu_column():
 # ---------------------------------------------------------------- against a real step, in this process
 
 
-@pytest.mark.parametrize("quantize", [None, "bnb.nf4-dq"])
-def test_model_states_match_a_real_step(tiny_dir, quantize):
+@pytest.mark.parametrize("quantize, precision", [(None, "32-true"), ("bnb.nf4-dq", "32-true"), (None, "bf16-mixed")])
+def test_model_states_match_a_real_step(tiny_dir, quantize, precision):
     """The job's own module (build.build_module), one step, then the strategy's state_bytes: trained adapters
-    beside a frozen (or 4-bit) base. Full finetunes and two-rank layouts are checked against real runs' logs
-    by benchmarks/estimate_check.py."""
+    beside a frozen (or 4-bit, or bf16 under bf16-mixed) base. Full finetunes and two-rank layouts are checked
+    against real runs' logs by benchmarks/estimate_check.py."""
     from litft.build import build_model, build_module
     from litft.estimate.inventory import model_tensors
     from litft.model import load_config
 
     lora = LoraArgs(r=4, alpha=8, dropout=0.0, target_modules="all-linear", quantize=quantize)
-    strategy = SingleDevice(Layout(), "cpu", "32-true", TrainArgs())
+    strategy = SingleDevice(Layout(), "cpu", precision, TrainArgs())
     lm, fill, _ = build_module(
-        str(tiny_dir), "32-true", lora, TrainArgs(), 1, random_init=False, seed=0, device=torch.device("cpu"), strategy=strategy
+        str(tiny_dir), precision, lora, TrainArgs(), 1, random_init=False, seed=0, device=torch.device("cpu"), strategy=strategy
     )
     fill(lm)
     tokens = torch.randint(0, 300, (2, 16))
     optimizer = lm.configure_optimizers()["optimizer"]
-    lm.training_step({"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(16).expand(2, -1)}).backward()
+    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
+        loss = lm.training_step({"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(16).expand(2, -1)})
+    loss.backward()
     optimizer.step()
     held = strategy.state_bytes(lm, optimizer)
 
-    tensors = model_tensors(build_model(load_config(str(tiny_dir)), "32-true", lora, False), quantize)
-    got = SingleDevice.memory_layout(tensors, Layout(), "32-true", TrainArgs())
+    frozen_dtype = SingleDevice.frozen_base_dtype(precision)
+    tensors = model_tensors(build_model(load_config(str(tiny_dir)), precision, lora, False, frozen_dtype=frozen_dtype), quantize)
+    got = SingleDevice.memory_layout(tensors, Layout(), precision, TrainArgs())
     quant_state = sum(t.quant_state for t in tensors)
     assert got.params.gpu - quant_state == held["params"]
     assert (got.grads.gpu, got.optimizer.gpu) == (held["grads"], held["optimizer"])
@@ -146,7 +149,9 @@ def test_saved_activations_match_saved_tensors_hooks():
         vocab_size=384, hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         tie_word_embeddings=False,
     )
-    build = dict(precision="bf16-mixed", lora=LoraArgs(r=4, alpha=8, dropout=0.05, target_modules="all-linear"))
+    build = dict(
+        precision="bf16-mixed", lora=LoraArgs(r=4, alpha=8, dropout=0.05, target_modules="all-linear"), frozen_dtype=torch.bfloat16
+    )
     lm = CausalLM(build_model(config, **build, gradient_checkpointing=False), TrainArgs())
     Materializer(lm.model, lm.hf_model, None, seed=0)(lm)
     lm.train()

@@ -1,0 +1,67 @@
+"""Under bf16-mixed a LoRA base is frozen in bf16 and the adapters keep fp32 masters, as peft and HF Trainer run it."""
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from litft.build import build_module
+from litft.config import Layout, LoraArgs, TrainArgs
+from litft.lora import peft_config
+from litft.strategies import SingleDevice
+from litft.strategies import fsdp
+
+
+def test_bf16_mixed_lora_base_is_bf16_and_steps_like_peft(tiny_dir):
+    """litft's module against peft on a bf16 base with the same adapters: the same loss and adapter gradients under autocast."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraArgs(r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+    strategy = SingleDevice(Layout(), "cpu", "bf16-mixed", TrainArgs())
+    lm, fill, _ = build_module(str(tiny_dir), "bf16-mixed", lora, TrainArgs(), 1, random_init=False, seed=0, device=torch.device("cpu"), strategy=strategy)
+    fill(lm)
+    trained = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
+    frozen = [p for p in lm.model.parameters() if not p.requires_grad]
+    assert trained and {p.dtype for p in trained.values()} == {torch.float32}
+    assert frozen and {p.dtype for p in frozen} == {torch.bfloat16}
+    with torch.no_grad():  # lora_B is zero at init: give it values so that the adapters change the output
+        for name, p in trained.items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16), peft_config(lora))
+    reference.load_state_dict({n: p.detach() for n, p in trained.items()}, strict=False)
+    assert {p.dtype for p in reference.parameters() if p.requires_grad} == {torch.float32}  # peft's own fp32 adapters
+
+    tokens = torch.randint(5, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(24).expand(2, -1)}
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = lm.loss_sum(batch)
+        logits = reference(input_ids=tokens).logits
+        expected = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum")
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=2e-3, atol=0)
+    grads = dict(reference.named_parameters())
+    for name, p in trained.items():
+        assert torch.linalg.vector_norm(p.grad - grads[name].grad) <= 2e-2 * torch.linalg.vector_norm(grads[name].grad) + 1e-6, name
+
+
+def test_fsdp_keeps_one_dtype_where_torch_asks_it_of_every_parameter(monkeypatch):
+    """FSDP2 before the check was relaxed (torch 2.7) wants one dtype per unit: there the base stays fp32."""
+
+    def relaxed(self):  # the check as torch 2.13 makes it, of the trained parameters
+        trainable_params = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
+        return {p.orig_dtype for p in trainable_params}
+
+    def strict(self):  # as torch 2.7 made it, of all
+        return {p.orig_dtype for p in self.fsdp_params}
+
+    assert fsdp.frozen_dtype_may_differ(relaxed) and not fsdp.frozen_dtype_may_differ(strict)
+    assert fsdp.frozen_dtype_may_differ() == ("requires_grad" in inspect.getsource(fsdp._init_mp_dtypes_of_this_torch()))
+    assert fsdp.FSDP.frozen_base_dtype("32-true") is None and SingleDevice.frozen_base_dtype("bf16-true") is None
+    monkeypatch.setattr(fsdp, "frozen_dtype_may_differ", lambda: False)
+    assert fsdp.FSDP.frozen_base_dtype("bf16-mixed") is None
+    monkeypatch.setattr(fsdp, "frozen_dtype_may_differ", lambda: True)
+    assert fsdp.FSDP.frozen_base_dtype("bf16-mixed") == torch.bfloat16
