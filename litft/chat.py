@@ -52,6 +52,8 @@ def load_for_chat(name: str, dtype: torch.dtype):
     if path.is_dir() and not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         if (path / CHECKPOINTS).is_dir() and (path / "final" / "config.json").is_file():
             path = path / "final"  # a finished run: what it exported
+        elif (path / CHECKPOINTS).is_dir() and (path / "final-adapter" / "adapter_config.json").is_file():
+            path = path / "final-adapter"  # a finished LoRA run that exported its adapter alone
         elif (path / META).is_file() or (path / CHECKPOINTS).is_dir():
             return _from_checkpoint(resolve_resume(str(path), path), dtype)
     if (path / "adapter_config.json").is_file():

@@ -18,6 +18,7 @@ StrategyName = Literal["auto", "ddp", "fsdp", "deepspeed"]
 Quantize = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq"]
 STRATEGY_NAMES = ("auto", "ddp", "fsdp", "deepspeed")
 QUANTIZE_CHOICES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq")
+EXPORT_CHOICES = ("adapter", "merged", "both", "none")
 DEFAULT_GLOBAL_BATCH_SIZE = 32
 
 
@@ -185,6 +186,15 @@ class LoraArgs:
     dropout: float = 0.05
     target_modules: Union[str, List[str]] = "all-linear"
     quantize: Optional[str] = None
+    export: str = "adapter"  # what the end of the run writes: the adapter (peft), the merged model, both or none
+
+    @property
+    def writes_adapter(self) -> bool:
+        return self.export in ("adapter", "both")
+
+    @property
+    def writes_merged(self) -> bool:
+        return self.export in ("merged", "both")
 
     def check(self) -> None:
         at_least(self.r, 1, "--lora_r")
@@ -194,6 +204,8 @@ class LoraArgs:
             raise LitftError(f"--quantize {self.quantize} is unknown; choose one of {', '.join(QUANTIZE_CHOICES)}")
         if not self.target_modules:
             raise LitftError("--lora_target_modules names no module; give module names or all-linear")
+        if self.export not in EXPORT_CHOICES:
+            raise LitftError(f"--export {self.export} is unknown; choose one of {', '.join(EXPORT_CHOICES)}")
 
     @property
     def scale(self) -> float:

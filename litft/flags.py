@@ -98,6 +98,11 @@ LORA_TARGETS = Flag(
     "lora_target_modules", Union[str, List[str]], "all-linear",
     'Module names to adapt, or "all-linear" for every linear layer but the output head.',
 )
+EXPORT = Flag(
+    "export", Literal["adapter", "merged", "both", "none"], "adapter",
+    "What the run writes at its end: the adapter as a peft folder (out_dir/final-adapter, megabytes), the merged model as a "
+    "Hugging Face folder (out_dir/final, the whole model's size), both, or none (the checkpoints only; litft convert writes either later).",
+)
 TRAIN = Flag("train", TrainArgs, TrainArgs(), "Batch, schedule and run length.")
 EVAL = Flag("eval", EvalArgs, EvalArgs(), "Validation cadence and scoring.")
 SEED = Flag("seed", int, 42, "Seeds the weights of new layers, the data order and dropout.")
@@ -122,7 +127,7 @@ PROFILE = Flag(
 # Where the processes run and how they split the model: every job and litft estimate.
 PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, ACCELERATOR]
 MODEL_OPTIONS = [ATTENTION, COMPILE, KERNELS]
-LORA = [QUANTIZE, LORA_R, LORA_ALPHA, LORA_DROPOUT, LORA_TARGETS]
+LORA = [QUANTIZE, LORA_R, LORA_ALPHA, LORA_DROPOUT, LORA_TARGETS, EXPORT]
 RUN_CONTROL = [SEED, OVERWRITE, RESUME]
 WATCHING = [LOGGER_NAME, PROFILE]
 JOB = Literal["finetune_lora", "finetune_full", "pretrain"]

@@ -54,7 +54,9 @@ class RunSpec:
         flags = dict(flags, data=flags["data"] or default_data or TinyTasks())
         lora = None
         if "lora_r" in flags:
-            lora = LoraArgs(flags["lora_r"], flags["lora_alpha"], flags["lora_dropout"], flags["lora_target_modules"], flags["quantize"])
+            lora = LoraArgs(
+                flags["lora_r"], flags["lora_alpha"], flags["lora_dropout"], flags["lora_target_modules"], flags["quantize"], flags["export"]
+            )
         layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"])
         common = dict(
             job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
@@ -151,13 +153,13 @@ def finetune_full(**flags) -> RunResult:
 
 
 LORA_HELP = dict(
-    out_dir="Folder for logs, the run's config, the adapter and the merged model.", seed="Seeds the adapters' init, the data order and dropout."
+    out_dir="Folder for logs, the run's config, the adapter and (--export merged) the merged model.", seed="Seeds the adapters' init, the data order and dropout."
 )
 
 
 @command(_job_flags("out/finetune_lora", TrainArgs(**FINETUNE_TRAIN, learning_rate=1e-3), EvalArgs(interval=200), middle=LORA, **LORA_HELP))
 def finetune_lora(**flags) -> RunResult:
-    """Train LoRA adapters on a frozen causal LM; out_dir/final-adapter holds them, out_dir/final the merged model."""
+    """Train LoRA adapters on a frozen causal LM; out_dir/final-adapter holds them (out_dir/final the merged model with --export merged or both)."""
     return start(RunSpec.from_flags("finetune_lora", flags))
 
 

@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import lightning as L
 import torch
@@ -226,22 +226,33 @@ class Trainer:
             # Replicas that drifted apart would mean gradients were not averaged across them.
             fabric.log_dict({"replica_checksum_spread": divergence}, step=state.step)
             fabric.print(f"replicas in step: largest difference of parameter checksums between replica groups {divergence:.3g}")
-        final_dir = spec.out_dir / "final"
-        self.watch.at(state.step, "exporting the final model")
-        on_rank_zero(fabric, lambda: self._export(final_dir), "exporting the final model")
         scores = [h["val_score"] for h in state.history if "val_score" in h]
         if len(scores) >= 2:
             n = min(spec.eval.score_samples, len(self.data.scoring))
             fabric.print(f"task score (exact match on {n} held-out prompts): {scores[0]:.3f} before, {scores[-1]:.3f} after")
-        fabric.print(f"{spec.job} finished {state.step} steps in {time.perf_counter() - started:.0f} s; model in {final_dir}")
+        self.watch.at(state.step, "exporting the final model")
+        exports = final_exports(spec)
+        on_rank_zero(fabric, lambda: self._export(exports), "exporting the final model")
+        where = "; ".join(f"{what} in {folder}" for what, folder in exports) or f"checkpoint {self.checkpointer.last_path} (--export none)"
+        fabric.print(f"{spec.job} finished {state.step} steps in {time.perf_counter() - started:.0f} s; {where}")
+        final_dir = exports[-1][1] if exports else None
         return RunResult(model=model, history=state.history, out_dir=spec.out_dir, final_dir=final_dir)
 
-    def _export(self, final_dir: Path) -> None:
+    def _export(self, exports: List[Tuple[str, Path]]) -> None:
         """From the final checkpoint, block by block: no rank gathers the whole model."""
         dtype = DTYPE_NAMES[param_dtype(self.precision)]
-        export(self.checkpointer.last_path, final_dir, dtype=dtype)
-        if self.spec.lora is not None:
-            export(self.checkpointer.last_path, self.spec.out_dir / "final-adapter", merge_lora=False, dtype=dtype)
+        for what, folder in exports:
+            export(self.checkpointer.last_path, folder, merge_lora=what != "adapter", dtype=dtype)
+
+
+def final_exports(spec: "RunSpec") -> List[Tuple[str, Path]]:
+    """What the end of a run writes, in order: LoRA's adapter first (the smallest, and it holds the training, so a
+    disk too small for the merged model still gets it), then the model."""
+    lora = spec.lora
+    exports = [("adapter", spec.out_dir / "final-adapter")] if lora is not None and lora.writes_adapter else []
+    if lora is None or lora.writes_merged:
+        exports.append(("model", spec.out_dir / "final"))
+    return exports
 
 
 def run_job(spec: "RunSpec") -> RunResult:

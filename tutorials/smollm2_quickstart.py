@@ -95,7 +95,7 @@ def main(extra: list) -> None:
     subprocess.run([sys.executable, "-m", "litft", *command], check=True, cwd=ROOT)
     record = json.loads(HELD_OUT.read_text().splitlines()[0])
     prompt, expected = record["messages"][0]["content"], record["messages"][1]["content"]
-    final = (ROOT / out_dir / "final").resolve()
+    final = (ROOT / out_dir / "final-adapter").resolve()  # the adapter (a LoRA run's default export), on its base
     if not final.is_dir():  # stopped early (SIGTERM, --train.stop_after_steps): its checkpoint is kept
         print(f"the run stopped before its end; continue it with: python {Path(__file__).name} {' '.join(extra)} --resume auto")
         return

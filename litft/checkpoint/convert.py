@@ -8,6 +8,7 @@ the checkpoint. Frozen base weights (LoRA) are read tensor by tensor from the mo
 the run started from.
 """
 
+import errno
 import json
 import math
 import os
@@ -84,7 +85,7 @@ def merge_lora(
     path = Path(checkpoint)
     if (path / "adapter_config.json").is_file():
         raise LitftError(
-            f"{checkpoint} is a peft adapter folder; pass the run's folder or checkpoint (the run's final/ already holds the merged model)"
+            f"{checkpoint} is a peft adapter folder; pass the run's folder or checkpoint (its final/ holds the merged model if it ran with --export merged or both)"
         )
     job = CheckpointMeta.read(resolve_resume(str(checkpoint), path)).job
     if job != "finetune_lora":
@@ -92,20 +93,51 @@ def merge_lora(
     return convert(checkpoint, out_dir, merge_lora=True, dtype=dtype, max_shard_gb=max_shard_gb)
 
 
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the filesystem that holds ``folder`` (or its nearest existing parent)."""
+    folder = Path(folder).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def export_bytes(trained: TrainedTensors, meta: CheckpointMeta, adapter_only: bool, dtype: Optional[str]) -> int:
+    """What an export writes, tokenizer aside: the adapter's tensors, or every weight of the model (a tied one once)."""
+    size = (lambda stored: DTYPES[dtype].itemsize) if dtype else (lambda stored: stored.itemsize)
+    if adapter_only:
+        return sum(math.prod(shape) * size(stored) for name, (shape, stored) in trained.shapes.items() if ADAPTER_KEY.search(name))
+    stored = next(iter(trained.shapes.values()))[1]
+    return sum(p.numel() * size(stored) for p in skeleton(load_config(resolve_model(meta.model)), stored).parameters())
+
+
+# Room kept beyond the tensors: tokenizer files, config, safetensors headers and the filesystem's own blocks.
+EXPORT_MARGIN = 64 * 2**20
+
+
 def export(path: Path, target: Path, merge_lora: bool = True, dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write ``target`` beside itself under a temporary name, then swap it in: a crash leaves any earlier one whole."""
+    """Write ``target`` beside itself under a temporary name, then swap it in: a crash leaves any earlier one whole.
+
+    Free space is checked first, and a disk that fills anyway is one line: the
+    checkpoint, which holds the training, is never touched.
+    """
     meta = CheckpointMeta.read(path)
     run_config = yaml.safe_load((path / RUN_CONFIG).read_text())
+    if meta.format != "dcp":
+        raise LitftError(f"checkpoint {path} {meta.unreadable_format()}")
+    trained = dcp_trained_tensors(path)
+    lora = meta.job == "finetune_lora"
+    adapter_only = lora and not merge_lora
+    what = "the adapter" if adapter_only else "the merged model" if lora else "the model"
+    needed, free = export_bytes(trained, meta, adapter_only, dtype) + EXPORT_MARGIN, free_bytes(target.parent)
+    later = f"the checkpoint {path} keeps the training; litft convert writes it once there is room"
+    if needed > free:
+        raise LitftError(f"writing {what} to {target} needs {needed / 2**30:.2f} GiB and only {free / 2**30:.2f} GiB is free there; {later}")
     staging, old = target.parent / f".{target.name}.partial", target.parent / f".{target.name}.old"
     for leftover in (staging, old):
         shutil.rmtree(leftover, ignore_errors=True)
-    staging.mkdir(parents=True)
     try:
-        if meta.format != "dcp":
-            raise LitftError(f"checkpoint {path} {meta.unreadable_format()}")
-        trained = dcp_trained_tensors(path)
-        lora = meta.job == "finetune_lora"
-        if lora and not merge_lora:
+        staging.mkdir(parents=True)
+        if adapter_only:
             _write_adapter(trained, meta, run_config, staging, dtype)
         else:
             _write_model(trained, meta, run_config, staging, dtype, lora, max_shard_bytes)
@@ -113,6 +145,10 @@ def export(path: Path, target: Path, merge_lora: bool = True, dtype: Optional[st
             os.rename(target, old)
         os.rename(staging, target)
         shutil.rmtree(old, ignore_errors=True)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        raise LitftError(f"the disk filled while writing {what} to {target} ({needed / 2**30:.2f} GiB needed); {later}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -22,7 +22,7 @@ GREEDY = ["--prompt_style", "alpaca", "--temperature", "0", "--max_new_tokens", 
 def lora_run(tmp_path_factory, tiny_dir):
     out = tmp_path_factory.mktemp("chat") / "run"
     train = TrainArgs(global_batch_size=16, micro_batch_size=16, max_steps=12, learning_rate=3e-3, warmup_steps=2)
-    finetune_lora(data=TinyTasks(num_train=192, num_val=8), out_dir=out, train=train, eval=EvalArgs(interval=0), lora_r=8, lora_dropout=0.0)
+    finetune_lora(data=TinyTasks(num_train=192, num_val=8), out_dir=out, train=train, eval=EvalArgs(interval=0), lora_r=8, lora_dropout=0.0, export="both")
     return out
 
 

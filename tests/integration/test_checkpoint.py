@@ -93,7 +93,9 @@ def test_convert_lora_merged_and_adapter_match_training_model(tmp_path, tiny_dir
 
     from litft.checkpoint.convert import convert
 
-    result = finetune_lora(data=TinyTasks(**DATA), out_dir=tmp_path / "run", eval=EVAL, lora_r=4, lora_dropout=0.0, train=train_args(max_steps=3))
+    result = finetune_lora(
+        data=TinyTasks(**DATA), out_dir=tmp_path / "run", eval=EVAL, lora_r=4, lora_dropout=0.0, train=train_args(max_steps=3), export="both"
+    )
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     expected = logits(result.model, ids)
     merged = convert(tmp_path / "run", out_dir=tmp_path / "merged")
@@ -213,3 +215,51 @@ def test_kill_during_save_leaves_previous_checkpoint_resumable(tmp_path):
     whole, resumed = losses_by_step(tmp_path / "whole"), losses_by_step(out)
     assert [resumed[s] for s in range(1, 7)] == [whole[s] for s in range(1, 7)]
     assert sorted(p.name for p in root.iterdir()) == ["step-00000004", "step-00000006"]
+
+
+def test_lora_export_checks_the_disk_and_writes_the_adapter_first(tmp_path, tiny_dir, monkeypatch):
+    """A disk with room for the adapter but not the merged model: the adapter is written, the merged model refused in
+    one line that says how much is needed and where; a disk that fills during a write is one line and leaves the
+    earlier export whole. (--export adapter, the default, writes the adapter alone.)"""
+    import errno
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from litft.checkpoint import convert
+
+    run = tmp_path / "run"
+    needs = {}
+    real_export_bytes = convert.export_bytes
+
+    def recorded(trained, meta, adapter_only, dtype):
+        needs["adapter" if adapter_only else "merged"] = real_export_bytes(trained, meta, adapter_only, dtype)
+        return needs["adapter" if adapter_only else "merged"]
+
+    monkeypatch.setattr(convert, "export_bytes", recorded)
+    monkeypatch.setattr(convert, "free_bytes", lambda folder: convert.EXPORT_MARGIN + 2**20)  # 1 MiB: the adapter's 156 kB fit
+    with pytest.raises(LitftError) as refused:
+        finetune_lora(data=TinyTasks(**DATA), out_dir=run, eval=EVAL, lora_r=4, lora_dropout=0.0, train=train_args(max_steps=2), export="both")
+    message = str(refused.value)
+    assert "\n" not in message and f"writing the merged model to {run / 'final'} needs" in message
+    assert "only 0.06 GiB is free there" in message and "the checkpoint" in message and "litft convert" in message
+    assert needs["adapter"] == 38_912 * 4 and needs["merged"] > 3 * 10**6  # r=4 adapters; 0.87M fp32 weights
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith((".final", "final"))) == ["final-adapter"]
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), run / "final-adapter")
+    assert sum("lora_" in name for name, _ in with_adapter.named_parameters()) == 2 * 7 * 4  # A and B of 7 linears, 4 blocks
+    from litft.chat import load_for_chat
+
+    assert load_for_chat(str(run), torch.float32)[2] == f"adapter {run / 'final-adapter'} on its base"  # a run with its adapter alone
+
+    monkeypatch.undo()
+    earlier = convert.export(checkpoint, tmp_path / "merged")
+    before = (earlier / "model.safetensors").read_bytes()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(convert.SafetensorsWriter, "__enter__", full_disk)
+    with pytest.raises(LitftError, match=r"^the disk filled while writing the merged model to .*merged \(0\.07 GiB needed\); the checkpoint"):
+        convert.export(checkpoint, tmp_path / "merged")
+    assert (earlier / "model.safetensors").read_bytes() == before and not (tmp_path / ".merged.partial").exists()

@@ -48,7 +48,7 @@ def test_finetune_lora_trains_adapters_only_and_merges(tmp_path, tiny_dir, token
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    result = finetune_lora(data=TinyTasks(**SMALL_DATA), out_dir=tmp_path, train=TRAIN, eval=EVAL, lora_r=4, lora_dropout=0.0)
+    result = finetune_lora(data=TinyTasks(**SMALL_DATA), out_dir=tmp_path, train=TRAIN, eval=EVAL, lora_r=4, lora_dropout=0.0, export="both")
     losses = step_losses(tmp_path)
     assert losses[-1] < losses[0]
     trained = {n for n, p in result.model.named_parameters() if p.requires_grad}
@@ -74,8 +74,9 @@ def test_qlora_trains_on_4bit_base_and_exports_full_precision(tmp_path, tokenize
     from transformers import AutoModelForCausalLM
 
     result = finetune_lora(
-        data=TinyTasks(**SMALL_DATA), out_dir=tmp_path, train=TRAIN, eval=EVAL, quantize="bnb.nf4", lora_dropout=0.0
+        data=TinyTasks(**SMALL_DATA), out_dir=tmp_path, train=TRAIN, eval=EVAL, quantize="bnb.nf4", lora_dropout=0.0, export="merged"
     )
+    assert not (tmp_path / "final-adapter").exists() and result.final_dir == tmp_path / "final"
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in result.model.modules())
     losses = step_losses(tmp_path)
     assert losses[-1] < losses[0]

@@ -52,4 +52,5 @@ def test_short_quickstart_on_smollm2(quickstart, tmp_path):
     # The pretrained model cannot do the task before training (two steps do not teach it either).
     assert "task score (exact match on 4 held-out prompts): 0.000 before" in run.stdout, run.stdout[-3000:]
     assert "held-out prompt: Reverse the order of these words: castle willow bridge\nanswer:" in run.stdout
-    assert (tmp_path / "run" / "final" / "model.safetensors").is_file() and (tmp_path / "run" / "final-adapter" / "adapter_config.json").is_file()
+    # A LoRA run exports its adapter (megabytes) unless asked for the merged model too; generate put it on its base.
+    assert not (tmp_path / "run" / "final").exists() and (tmp_path / "run" / "final-adapter" / "adapter_config.json").is_file()
