@@ -5,128 +5,17 @@ LoRA adapters on a frozen, possibly 4-bit base), where the first weights come fr
 (a checkpoint, or a seeded random init) and the default data.
 """
 
-import shutil
-from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
-from litft.checkpoint.format import RUN_CONFIG
-from litft.config import EvalArgs, Layout, LoraArgs, TrainArgs
-from litft.data.base import DataModule, data_config
+from litft.config import EvalArgs, TrainArgs
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
 from litft.flags import DATA, EVAL, LAUNCHER, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, WATCHING, Flag, command
 from litft.ray_launch import run_on_ray
 from litft.ray_worker import inside_worker
-from litft.trainer import RunResult, run_job
-
-@dataclass
-class RunSpec:
-    """Everything one job asked for, as typed flag groups, checked before any process starts."""
-
-    job: str
-    model: str  # where the architecture (and weights) come from: a folder or a hub id
-    data: DataModule
-    out_dir: Path
-    precision: Optional[str]
-    accelerator: str
-    layout: Layout
-    train: TrainArgs
-    eval: EvalArgs
-    seed: int = 42
-    attn_implementation: str = "auto"
-    compile: bool = False
-    kernels: str = "auto"
-    lora: Optional[LoraArgs] = None
-    tokenizer: Optional[str] = None
-    random_init: bool = False
-    overwrite: bool = False
-    resume: Optional[str] = None
-    loggers: Tuple[str, ...] = ("tensorboard",)
-    profile: bool = False
-    launcher: str = "auto"
-    recorded: dict = field(default_factory=dict)  # the flags as given: run_config.yaml, reusable with --config
-
-    @classmethod
-    def from_flags(cls, job: str, flags: dict, **job_fields) -> "RunSpec":
-        """The spec of a job's own (flat) arguments, plus what only that job decides."""
-        default_data = job_fields.pop("default_data", None)
-        flags = dict(flags, data=flags["data"] or default_data or TinyTasks())
-        lora = None
-        if "lora_r" in flags:
-            lora = LoraArgs(
-                flags["lora_r"], flags["lora_alpha"], flags["lora_dropout"], flags["lora_target_modules"], flags["quantize"], flags["export"]
-            )
-        layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"])
-        common = dict(
-            job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
-            accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], compile=flags["compile"], kernels=flags["kernels"],
-            layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
-            lora=lora, overwrite=flags["overwrite"], resume=flags["resume"], profile=flags["profile"], launcher=flags["launcher"],
-            loggers=(flags["logger_name"],) if isinstance(flags["logger_name"], str) else tuple(flags["logger_name"]),
-            recorded=config_of({k: v for k, v in flags.items() if k not in ("overwrite", "resume")}),
-        )
-        return cls(**{**common, **job_fields})
-
-    def check(self) -> Optional[str]:
-        """The flags' own checks (the layout's need the accelerator and are made when the run starts).
-
-        A global batch left out is derived from the world size; the line saying so is returned.
-        """
-        self.layout.check()  # the world size comes first: the batch checks divide by it
-        if self.train.micro_batch_size < 1:
-            raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
-        self.train, note = self.train.resolved(self.layout.world_size)
-        self.train.check(self.layout.world_size)
-        self.eval.check(instruction_data=hasattr(self.data, "prompted"))
-        self.data.check()
-        if getattr(self.data, "streaming", False) and self.train.max_steps is None:
-            raise LitftError("--data.streaming true needs --train.max_steps: a stream's length is not known in advance")
-        if not 0 <= self.seed < 2**32:
-            raise LitftError(f"--seed must be in [0, 2**32) (what numpy and torch accept), got {self.seed}")
-        if self.lora is not None:
-            self.lora.check()
-        if self.resume is not None and self.overwrite:
-            raise LitftError("--overwrite true deletes the checkpoints that --resume continues from; pass only one of them")
-        return note
-
-    def check_out_dir(self) -> None:
-        """Refuse an out_dir with files in it, unless it is an earlier litft run and --overwrite or --resume was given."""
-        out = self.out_dir
-        if out.exists() and not out.is_dir():
-            raise LitftError(f"--out_dir {out} is a file; choose a folder")
-        if not out.exists() or not any(out.iterdir()):
-            return
-        if not (out / RUN_CONFIG).is_file():
-            raise LitftError(f"--out_dir {out} holds files that litft did not write; choose another --out_dir")
-        if self.resume is not None:
-            return  # continuing the run that is there
-        if not self.overwrite:
-            raise LitftError(f"--out_dir {out} already holds a run; choose another --out_dir, pass --resume auto to continue it or --overwrite true")
-        # Only what a litft run writes is replaced; anything else the user put there stays.
-        for name in ("final", "final-adapter", "logs", "checkpoints"):
-            shutil.rmtree(out / name, ignore_errors=True)
-
-
-def config_of(values: dict) -> dict:
-    """Arguments as YAML-ready data that ``--config`` reads back."""
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, DataModule):
-            out[key] = data_config(value)
-        else:
-            out[key] = _plain(asdict(value) if is_dataclass(value) else value)
-    return out
-
-
-def _plain(value):
-    """YAML-safe: paths as strings, tuples as lists, all the way down."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return str(value) if isinstance(value, Path) else value
-
+from litft.spec import RunResult, RunSpec
+from litft.trainer import run_job
 
 def _job_flags(default_out: str, train: TrainArgs, validation: EvalArgs, middle=(), head=(MODEL, DATA), **help) -> list:
     """A job's flags in CLI order, with its own defaults for out_dir, train and eval, and its own wording where ``help`` gives it."""

@@ -10,15 +10,12 @@ resumed run continues without replaying or skipping a batch.
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from litft.evaluation import score, validate
 from litft.model import target_tokens
-
-if TYPE_CHECKING:
-    from litft.trainer import Trainer
 
 
 @dataclass
@@ -55,7 +52,7 @@ class StepBatch:
     flops: float
 
 
-def fit(trainer: "Trainer") -> LoopState:
+def fit(trainer) -> LoopState:
     """Train until the planned step count or token budget, or until any rank is asked to stop."""
     state, cadence = trainer.state, trainer.cadence
     if cadence.validate_first(state.step):
@@ -78,7 +75,7 @@ def fit(trainer: "Trainer") -> LoopState:
     return state
 
 
-def next_batch(trainer: "Trainer") -> Optional[StepBatch]:
+def next_batch(trainer) -> Optional[StepBatch]:
     """This rank's micro-batches of the next step and the global counts; None when every rank stops instead."""
     fabric, state = trainer.fabric, trainer.state
     trainer.watch.at(state.step + 1, "training")
@@ -104,7 +101,7 @@ def next_batch(trainer: "Trainer") -> Optional[StepBatch]:
     return StepBatch(micro, targets, tokens, samples, flops)
 
 
-def train_step(trainer: "Trainer", batch: StepBatch) -> None:
+def train_step(trainer, batch: StepBatch) -> None:
     """Forward and backward of every micro-batch, one optimizer step, and the step's metrics."""
     fabric, module, optimizer, state = trainer.fabric, trainer.module, trainer.optimizer, trainer.state
     scale = fabric.world_size / max(batch.targets, 1)
@@ -128,7 +125,7 @@ def train_step(trainer: "Trainer", batch: StepBatch) -> None:
     trainer.profiler.after(state.step)
 
 
-def validate_and_log(trainer: "Trainer", scoring: bool) -> None:
+def validate_and_log(trainer, scoring: bool) -> None:
     fabric, data, spec, state = trainer.fabric, trainer.data, trainer.spec, trainer.state
     trainer.watch.at(state.step, "validating")
     metrics = {}
@@ -147,7 +144,7 @@ def validate_and_log(trainer: "Trainer", scoring: bool) -> None:
         state.history.append({"step": state.step, **metrics})
 
 
-def save(trainer: "Trainer") -> None:
+def save(trainer) -> None:
     trainer.watch.at(trainer.state.step, "saving a checkpoint")
     path = trainer.checkpointer.save(trainer.state.state_dict())
     trainer.meter.progress.message(f"step {trainer.state.step}: checkpoint {path}")

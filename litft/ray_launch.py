@@ -30,7 +30,7 @@ import yaml
 from litft.cluster import apply_launcher_env, launcher
 from litft.errors import LitftError
 from litft.ray_worker import CONFIG, RayWorker
-from litft.trainer import RunResult, final_exports
+from litft.spec import RunResult
 from litft.watch import STOP_SIGNALS
 
 # The driver's variables that also steer the workers (litft's own, the hub's, tokenizers').
@@ -106,7 +106,7 @@ def run_on_ray(spec) -> RunResult:
         errors = [error for _, _, error in failed if error]
         rank, status, _ = failed[0]
         raise LitftError(errors[0] if errors else f"the Ray worker of rank {rank} exited with status {status}; its output above says why")
-    exports = [folder for _, folder in final_exports(spec) if folder.is_dir()]
+    exports = [folder for _, folder in spec.final_exports() if folder.is_dir()]
     return RunResult(model=None, history=[], out_dir=spec.out_dir, final_dir=exports[-1] if exports else None)
 
 

@@ -9,12 +9,10 @@ on the meta device and filled as the strategy shards it.
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import List, Tuple
 
 import lightning as L
-import torch
 import yaml
 from lightning.fabric.plugins.environments import LightningEnvironment
 
@@ -39,21 +37,9 @@ from litft.model import keep_rotary_fp32, load_tokenizer, resolve_model
 from litft.plot import plot_losses
 from litft.profiling import StepProfiler
 from litft.ranks import on_rank_zero, rank_zero_first
+from litft.spec import RunResult, RunSpec
 from litft.strategies import checked_strategy_class
 from litft.watch import PeerWatch, StopSignals
-
-if TYPE_CHECKING:
-    from litft.jobs import RunSpec
-
-@dataclass
-class RunResult:
-    """What a finished job leaves: the trained module's HF model and the loop's record."""
-
-    model: torch.nn.Module
-    history: list
-    out_dir: Path
-    final_dir: Optional[Path]  # None when the run stopped early, before its export
-
 
 def plan_steps(train, num_samples: int, mean_tokens: float) -> int:
     """Optimizer steps the run will take: the first of max_steps, epochs and max_tokens to end it."""
@@ -72,14 +58,14 @@ def plan_steps(train, num_samples: int, mean_tokens: float) -> int:
 class Trainer:
     """Owns a run's fabric, strategy, module, optimizer, scheduler, data, checkpointer and meter."""
 
-    def __init__(self, spec: "RunSpec", fabric, strategy, precision: str, attention: str):
+    def __init__(self, spec: RunSpec, fabric, strategy, precision: str, attention: str):
         self.spec, self.fabric, self.strategy, self.precision, self.attention = spec, fabric, strategy, precision, attention
         self.state = LoopState()
         self.stops = StopRequests()
         self.watch = PeerWatch.idle()
 
     @classmethod
-    def launch(cls, spec: "RunSpec") -> "Trainer":
+    def launch(cls, spec: RunSpec) -> "Trainer":
         """Check the world and the flags, pick the strategy, and start (or join) the processes."""
         quiet_libraries()
         cuda_allocator_defaults()
@@ -231,7 +217,7 @@ class Trainer:
             n = min(spec.eval.score_samples, len(self.data.scoring))
             fabric.print(f"task score (exact match on {n} held-out prompts): {scores[0]:.3f} before, {scores[-1]:.3f} after")
         self.watch.at(state.step, "exporting the final model")
-        exports = final_exports(spec)
+        exports = spec.final_exports()
         on_rank_zero(fabric, lambda: self._export(exports), "exporting the final model")
         where = "; ".join(f"{what} in {folder}" for what, folder in exports) or f"checkpoint {self.checkpointer.last_path} (--export none)"
         fabric.print(f"{spec.job} finished {state.step} steps in {time.perf_counter() - started:.0f} s; {where}")
@@ -245,17 +231,7 @@ class Trainer:
             export(self.checkpointer.last_path, folder, merge_lora=what != "adapter", dtype=dtype)
 
 
-def final_exports(spec: "RunSpec") -> List[Tuple[str, Path]]:
-    """What the end of a run writes, in order: LoRA's adapter first (the smallest, and it holds the training, so a
-    disk too small for the merged model still gets it), then the model."""
-    lora = spec.lora
-    exports = [("adapter", spec.out_dir / "final-adapter")] if lora is not None and lora.writes_adapter else []
-    if lora is None or lora.writes_merged:
-        exports.append(("model", spec.out_dir / "final"))
-    return exports
-
-
-def run_job(spec: "RunSpec") -> RunResult:
+def run_job(spec: RunSpec) -> RunResult:
     """The single path every job takes, from flags to an exported model."""
     started = time.perf_counter()
     trainer = Trainer.launch(spec)

@@ -42,7 +42,7 @@ def test_chunked_target_loss_equals_the_plain_one(monkeypatch, masked):
     (2.5 * got).backward()  # a scaled loss, as the loop scales it
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     for ours, theirs in zip((hidden.grad, weight.grad, bias.grad), reference):
-        torch.testing.assert_close(ours, 2.5 * theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours, 2.5 * theirs, rtol=1e-5, atol=1e-5)  # fp32 sums in another order
 
 
 def samples(lengths, prompt=3, seed=0):
