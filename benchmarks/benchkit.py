@@ -59,3 +59,22 @@ def llama_shape(args):
     block_mb = 4 * (2 * h * h + 2 * h * (h // 2) + 3 * h * h * 3) / 2**20
     embedding_mb = 4 * args.vocab * h / 2**20
     return config, block_mb, embedding_mb, block_mb * args.layers + 2 * embedding_mb
+
+
+def model_folder(work: Path, hidden: int, layers: int, max_positions: int = 256) -> Path:
+    """A Llama with random weights and litft-tiny's tokenizer (its 384-token vocabulary keeps the blocks the bulk)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from litft.tiny import ensure_tiny_model
+
+    folder = work / f"llama-{hidden}x{layers}"
+    if not (folder / "config.json").is_file():
+        config = LlamaConfig(
+            vocab_size=384, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+            num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, max_position_embeddings=max_positions,
+        )
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(ensure_tiny_model()).save_pretrained(folder)
+    return folder

@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchkit import model_folder
+
 ROOT = Path(__file__).resolve().parents[1]
 
 MEASURED_RUN = """
@@ -74,25 +76,6 @@ loop.train_step = measured
 from litft.__main__ import main
 main(sys.argv[1:])
 """
-
-
-def model_folder(work: Path, hidden: int, layers: int) -> Path:
-    """A Llama with random weights and litft-tiny's tokenizer (its 384-token vocabulary keeps the blocks the bulk)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from litft.tiny import ensure_tiny_model
-
-    folder = work / f"llama-{hidden}x{layers}"
-    if not (folder / "config.json").is_file():
-        config = LlamaConfig(
-            vocab_size=384, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-            num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, max_position_embeddings=256,
-        )
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(folder)
-        AutoTokenizer.from_pretrained(ensure_tiny_model()).save_pretrained(folder)
-    return folder
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from litft import context_parallel
 from litft.data.base import cumulative_lengths
 from litft.errors import LitftError
 
@@ -153,8 +154,18 @@ def compute_dtype_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def segments_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
     """transformers' attention interface: q (B, H, S, D), k and v (B, KV, S, D) -> (B, S, H, D), attending inside samples.
 
-    A padding mask (generation of left-padded prompts) or a KV cache goes to transformers' SDPA path as it is.
+    A padding mask (generation of left-padded prompts) or a KV cache goes to transformers' SDPA path as it is. A batch
+    split over a context group (litft.context_parallel) attends over its whole rows, with heads dealt out over the group.
     """
+    if kwargs.get(context_parallel.MARK) and attention_mask is None:
+        def whole_rows(q, k, v, **rest):
+            return _attend_in_samples(module, q, k, v, None, dropout, scaling, **rest)[0]
+
+        return context_parallel.attend_whole_rows(whole_rows, query, key, value, **kwargs), None
+    return _attend_in_samples(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+def _attend_in_samples(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
     if attention_mask is not None or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     cu = kwargs.get("cu_seq_lens_q")
@@ -220,10 +231,17 @@ AttentionInterface.register(SEGMENTS, segments_attention)
 AttentionMaskInterface.register(SEGMENTS, segments_mask)
 
 
-def choose(requested: str, accelerator: str, precision: str = "bf16-mixed") -> str:
+def choose(requested: str, accelerator: str, precision: str = "bf16-mixed", context_parallel: int = 1) -> str:
     """The attention implementation a run uses: the user's, or the fastest here that keeps packed samples apart."""
     if requested not in CHOICES:
         raise LitftError(f"--attn_implementation {requested} is unknown; choose one of {', '.join(CHOICES)}")
+    if context_parallel > 1:
+        if requested not in ("auto", SEGMENTS):
+            raise LitftError(
+                f"--context_parallel exchanges heads around {SEGMENTS}'s attention (its varlen kernel on a GPU); "
+                f"use --attn_implementation auto or {SEGMENTS}, not {requested}"
+            )
+        return SEGMENTS
     flash_attn = importlib.util.find_spec("flash_attn") is not None
     if requested == "flash_attention_2" and not flash_attn:
         raise LitftError("--attn_implementation flash_attention_2 needs the flash-attn package (pip install flash-attn); use auto")

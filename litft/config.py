@@ -225,20 +225,32 @@ class Layout:
     num_nodes: int = 1
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)
     deepspeed: DeepSpeedArgs = field(default_factory=DeepSpeedArgs)
+    context_parallel: int = 1  # ranks that split each sequence between them (litft.context_parallel)
 
     @property
     def world_size(self) -> int:
         return self.devices * self.num_nodes
 
+    @property
+    def data_world(self) -> int:
+        """Ranks that take different samples: a context-parallel group takes the same ones, each a slice of their tokens."""
+        return self.world_size // self.context_parallel
+
     def accumulation(self, train: TrainArgs) -> int:
         """Micro-batches each rank runs per optimizer step."""
-        return train.global_batch_size // (train.micro_batch_size * self.world_size)
+        return train.global_batch_size // (train.micro_batch_size * self.data_world)
 
     def check(self) -> None:
         """What holds for every strategy; the chosen strategy checks the rest (``strategies.checked_strategy_class``)."""
         at_least(self.devices, 1, "--devices")
         at_least(self.num_nodes, 1, "--num_nodes")
         at_least(self.fsdp.shard_size, 1, "--fsdp.shard_size", "for one node")
+        at_least(self.context_parallel, 1, "--context_parallel")
+        if self.devices % self.context_parallel:
+            raise LitftError(
+                f"--context_parallel {self.context_parallel} must divide --devices {self.devices}: a sequence is split over ranks of one node "
+                "(its all-to-all runs at every layer); choose a divisor of --devices"
+            )
         if self.strategy not in STRATEGY_NAMES:
             raise LitftError(f"--strategy {self.strategy} is unknown; choose one of {', '.join(STRATEGY_NAMES)}")
 

@@ -5,21 +5,24 @@ from typing import List, Optional
 
 import torch
 
+from litft.context_parallel import ContextSplit
 from litft.data.base import PreparedData, Prompted, collate, eval_batches
 from litft.model import target_tokens
 
 
 @torch.no_grad()
-def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batches: Optional[int], pad_id: int, padding_free: bool = False) -> float:
-    """Token-mean loss over the validation set, every sample counted once across ranks."""
+def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batches: Optional[int], pad_id: int, padding_free: bool = False,
+             context: Optional[ContextSplit] = None) -> float:
+    """Token-mean loss over the validation set, every sample counted once across ranks (each rank of a context group its slice)."""
     module.eval()
+    context = context or ContextSplit.of(fabric.global_rank, fabric.world_size, 1)
     totals = torch.zeros(2, dtype=torch.float64, device=fabric.device)
-    for n, idx in enumerate(eval_batches(len(data.val), micro_batch_size, fabric.global_rank, fabric.world_size)):
+    for n, idx in enumerate(eval_batches(len(data.val), micro_batch_size, context.data_rank, context.data_world)):
         if max_batches is not None and n >= max_batches:
             break
         # Every rank makes the same number of forward passes (wrapped forwards may communicate);
         # a rank out of samples runs sample 0 and does not count it.
-        batch = fabric.to_device(collate([data.val[i] for i in (idx or [0])], pad_id, padding_free))
+        batch = fabric.to_device(context.split(collate([data.val[i] for i in (idx or [0])], pad_id, padding_free)))
         with fabric.autocast():
             loss = module.validation_step(batch).double()
         if idx:

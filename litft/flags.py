@@ -77,6 +77,11 @@ LAUNCHER = Flag(
     "auto: start --devices processes here, or join those torchrun, srun, mpirun, the deepspeed launcher or a RANK/LOCAL_RANK/WORLD_SIZE "
     "environment started; ray: one worker per device on the Ray cluster at RAY_ADDRESS, or on a local Ray started for the run.",
 )
+CONTEXT_PARALLEL = Flag(
+    "context_parallel", int, 1,
+    "Ranks of a node that split each sequence between them (DeepSpeed-Ulysses: attention heads exchanged all-to-all), for sequences "
+    "too long for one rank's memory; must divide --devices and the attention heads. Ranks of a group take the same samples.",
+)
 ACCELERATOR = Flag("accelerator", Accelerator, "auto", "auto, cpu or cuda.")
 ATTENTION = Flag(
     "attn_implementation", Literal["auto", "litft_segments", "flash_attention_2", "sdpa", "eager"], "auto",
@@ -125,7 +130,7 @@ PROFILE = Flag(
 )
 
 # Where the processes run and how they split the model: every job and litft estimate.
-PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, ACCELERATOR]
+PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, CONTEXT_PARALLEL, ACCELERATOR]
 MODEL_OPTIONS = [ATTENTION, COMPILE, KERNELS]
 LORA = [QUANTIZE, LORA_R, LORA_ALPHA, LORA_DROPOUT, LORA_TARGETS, EXPORT]
 RUN_CONTROL = [SEED, OVERWRITE, RESUME]

@@ -80,7 +80,7 @@ def next_batch(trainer) -> Optional[StepBatch]:
     fabric, state = trainer.fabric, trainer.state
     trainer.watch.at(state.step + 1, "training")
     state.epoch, state.epoch_step = trainer.batches.position(state.epoch, state.epoch_step)  # the next epoch, past the end of one
-    micro = trainer.batches.get(state.epoch, state.epoch_step)
+    micro = [trainer.context.split(b) for b in trainer.batches.get(state.epoch, state.epoch_step)]
     trainer.sample_log.write(state.step + 1, state.epoch, [b["ids"].tolist() for b in micro])
     reason = trainer.stops.reason(state.step)
     flops = sum(trainer.flops.of_row(int(n)) for b in micro for n in b["lengths"]) if trainer.flops else 0.0
@@ -92,8 +92,10 @@ def next_batch(trainer) -> Optional[StepBatch]:
          float(reason is not None), flops],
         dtype=torch.float64, device=trainer.strategy.host_device,
     )
-    *summed, flops = fabric.all_reduce(counts, reduce_op="sum").tolist()
-    targets, tokens, samples, stopping = (int(c) for c in summed)
+    targets, tokens, samples, stopping, flops = fabric.all_reduce(counts, reduce_op="sum").tolist()
+    # Each rank counts the targets of its own slice; tokens, samples and FLOPs once for every rank of a context group.
+    shared = trainer.context.size
+    targets, tokens, samples, stopping, flops = int(targets), int(tokens) // shared, int(samples) // shared, int(stopping), flops / shared
     if stopping:
         state.stopped_by = reason or "a signal to another rank"
         trainer.stops.agreed()
@@ -131,7 +133,8 @@ def validate_and_log(trainer, scoring: bool) -> None:
     metrics = {}
     if data.val:
         metrics["val_loss"] = validate(
-            fabric, trainer.module, data, spec.train.micro_batch_size, spec.eval.max_batches, trainer.tokenizer.pad_token_id, trainer.padding_free
+            fabric, trainer.module, data, spec.train.micro_batch_size, spec.eval.max_batches, trainer.tokenizer.pad_token_id, trainer.padding_free,
+            trainer.context,
         )
         metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50))
     if scoring and spec.eval.score_samples:

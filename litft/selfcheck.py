@@ -44,10 +44,12 @@ class Case:
     precision: str
     steps: int = 2
     resume: bool = False  # also stop after half the steps, resume, and compare with the uninterrupted run
+    context_parallel: int = 1  # ranks that split each sequence (the whole world of a distributed case, at most)
 
     @property
     def name(self) -> str:
-        return f"{self.job} {self.strategy} {self.precision}"
+        split = f" cp{self.context_parallel}" if self.context_parallel > 1 else ""
+        return f"{self.job} {self.strategy}{split} {self.precision}"
 
     @property
     def distributed(self) -> bool:
@@ -75,7 +77,8 @@ class Case:
 
         devices = world if self.distributed else 1
         flags = dict(
-            out_dir=out_dir, precision=self.precision, devices=devices, accelerator=accelerator, overwrite=not self.resume,
+            out_dir=out_dir, precision=self.precision, devices=devices, context_parallel=self.context_parallel, accelerator=accelerator,
+            overwrite=not self.resume,
             attn_implementation="litft_segments", logger_name="csv", seed=7,
             data=TinyTasks(num_train=64, num_val=8, mask_prompt=self.job != "pretrain", packing=self.job == "pretrain"),
             train=TrainArgs(global_batch_size=2 * devices, micro_batch_size=1, max_steps=self.steps, warmup_steps=0, save_interval=None),

@@ -55,7 +55,7 @@ class RunSpec:
             lora = LoraArgs(
                 flags["lora_r"], flags["lora_alpha"], flags["lora_dropout"], flags["lora_target_modules"], flags["quantize"], flags["export"]
             )
-        layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"])
+        layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"], flags.get("context_parallel", 1))
         common = dict(
             job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
             accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], compile=flags["compile"], kernels=flags["kernels"],
@@ -74,8 +74,8 @@ class RunSpec:
         self.layout.check()  # the world size comes first: the batch checks divide by it
         if self.train.micro_batch_size < 1:
             raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
-        self.train, note = self.train.resolved(self.layout.world_size)
-        self.train.check(self.layout.world_size)
+        self.train, note = self.train.resolved(self.layout.data_world)
+        self.train.check(self.layout.data_world)
         self.eval.check(instruction_data=hasattr(self.data, "prompted"))
         self.data.check()
         if getattr(self.data, "streaming", False) and self.train.max_steps is None:

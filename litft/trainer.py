@@ -25,6 +25,7 @@ from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
 from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.checkpoint.format import RUN_CONFIG
 from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, launcher, leave_process_group, preflight, restarted
+from litft.context_parallel import ContextSplit, check_heads, join_context_groups
 from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
 from litft.data.stream import StreamSource
 from litft.device import cuda_allocator_defaults, param_dtype, resolve_accelerator, resolve_precision
@@ -33,7 +34,7 @@ from litft.flops import StepFlops
 from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
-from litft.model import keep_rotary_fp32, load_tokenizer, resolve_model
+from litft.model import keep_rotary_fp32, load_config, load_tokenizer, resolve_model
 from litft.plot import plot_losses
 from litft.profiling import StepProfiler
 from litft.ranks import on_rank_zero, rank_zero_first
@@ -61,6 +62,7 @@ class Trainer:
     def __init__(self, spec: RunSpec, fabric, strategy, precision: str, attention: str):
         self.spec, self.fabric, self.strategy, self.precision, self.attention = spec, fabric, strategy, precision, attention
         self.state = LoopState()
+        self.context = ContextSplit.of(fabric.global_rank, fabric.world_size, spec.layout.context_parallel)
         self.stops = StopRequests()
         self.watch = PeerWatch.idle()
 
@@ -81,9 +83,13 @@ class Trainer:
         accelerator = resolve_accelerator(spec.accelerator)
         precision = resolve_precision(spec.precision, accelerator)
         chosen = checked_strategy_class(layout, accelerator, precision)
-        attention = choose_attention(spec.attn_implementation, accelerator, precision)
+        attention = choose_attention(spec.attn_implementation, accelerator, precision, layout.context_parallel)
         if spec.compile and not chosen.compiles:
             raise LitftError(f"--compile true is not supported under {chosen.name}; drop --compile or use --strategy fsdp or ddp")
+        if layout.context_parallel > 1:
+            if spec.compile:
+                raise LitftError("--compile true is not yet supported with --context_parallel (its all-to-all inside each block is untested); drop one of them")
+            check_heads(load_config(resolve_model(spec.model)), layout.context_parallel)  # before any process starts
         strategy = chosen(layout, accelerator, precision, spec.train)
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
@@ -130,6 +136,7 @@ class Trainer:
             device=fabric.device, strategy=self.strategy, attention=attention, compile=spec.compile,
             liger=choose_kernels(spec.kernels, fabric.device.type),
         )
+        join_context_groups(self.context, fabric.world_size)
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
         keep_rotary_fp32(self.lm)
         model = self.lm.model
@@ -149,7 +156,8 @@ class Trainer:
             fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
         self.start_step = self.stops.start_step = self.state.step
         train = spec.train
-        rank, world, pad, pin = fabric.global_rank, fabric.world_size, self.tokenizer.pad_token_id, fabric.device.type == "cuda"
+        # The ranks of a context group take the same samples: between them they are one data-parallel rank.
+        rank, world, pad, pin = self.context.data_rank, self.context.data_world, self.tokenizer.pad_token_id, fabric.device.type == "cuda"
         self.padding_free = attention in PACKED_SAFE  # samples end to end in one row, no padding computed
         if streamed:
             self.batches = data.train.step_batches(train.global_batch_size, train.micro_batch_size, rank, world, pad, pin, self.padding_free)

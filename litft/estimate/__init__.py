@@ -16,7 +16,7 @@ from typing import Literal, Optional
 from litft.config import TrainArgs
 from litft.estimate.plan import plan_memory, render
 from litft.flags import (
-    DEEPSPEED, DEVICES, FSDP, JOB, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, MODEL, NUM_NODES, PRECISION, QUANTIZE, STRATEGY,
+    CONTEXT_PARALLEL, DEEPSPEED, DEVICES, FSDP, JOB, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, MODEL, NUM_NODES, PRECISION, QUANTIZE, STRATEGY,
     TRAIN, Flag, command, required,
 )
 
@@ -29,6 +29,7 @@ ESTIMATE_FLAGS = [
     STRATEGY.but(help="auto (one device, or DDP for several), ddp, fsdp or deepspeed, as for the jobs."),
     FSDP,
     DEEPSPEED,
+    CONTEXT_PARALLEL.but(help="Ranks of a node that split each sequence between them: activations per rank shrink that many times."),
     QUANTIZE.but(help="QLoRA's 4-bit base (finetune_lora only)."),
     LORA_R,
     LORA_ALPHA.but(help="Adapter scale numerator."),

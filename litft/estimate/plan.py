@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 from litft.build import build_model
 from litft.config import Layout, LoraArgs, TrainArgs
+from litft.context_parallel import check_heads
 from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.estimate.inventory import model_tensors
@@ -48,15 +49,15 @@ def checked_run(flags: dict, precision: str):
         raise LitftError(f"--headroom is a share of device memory between 0 and 1, got {flags['headroom']}")
     if flags["quantize"] is not None and flags["job"] != "finetune_lora":
         raise LitftError("--quantize trains 4-bit weights only through LoRA adapters; use finetune_lora")
-    layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"])
+    layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"], flags.get("context_parallel", 1))
     lora = None
     if flags["job"] == "finetune_lora":
         lora = LoraArgs(flags["lora_r"], flags["lora_alpha"], flags["lora_dropout"], flags["lora_target_modules"], flags["quantize"])
         lora.check()
     train: TrainArgs = flags["train"]
     # Accumulation does not change memory: one micro-batch per rank and step stands for any global batch.
-    one_step = replace(train, global_batch_size=max(train.micro_batch_size, 1) * max(layout.world_size, 1))
-    one_step.check(max(layout.world_size, 1))
+    one_step = replace(train, global_batch_size=max(train.micro_batch_size, 1) * max(layout.data_world, 1))
+    one_step.check(max(layout.data_world, 1))
     strategy = checked_strategy_class(layout, "cuda", precision)
     return layout, lora, one_step, strategy
 
@@ -71,6 +72,7 @@ def plan_memory(flags: dict) -> dict:
     if source.endswith(".json") and Path(source).is_file():
         source = str(Path(source).parent)
     config = load_config(resolve_model(source))
+    check_heads(config, layout.context_parallel)
     if flags["attention"] is not None:
         config._attn_implementation = flags["attention"]
     frozen_dtype = strategy.frozen_base_dtype(precision)
@@ -79,10 +81,13 @@ def plan_memory(flags: dict) -> dict:
     facts = strategy.facts(layout, precision)
 
     params_dtype, autocast = strategy.compute_view(layout, precision)
+    # A context group splits every row: a rank holds its slice's activations, and around attention whole rows of
+    # heads / N heads, the same size.
+    tokens_per_rank = -(-flags["seq_len"] // layout.context_parallel)
     traced = {}
     for checkpointing in (train.gradient_checkpointing, not train.gradient_checkpointing):
         build = {"precision": precision, "lora": lora, "gradient_checkpointing": checkpointing, "frozen_dtype": frozen_dtype}
-        traced[checkpointing] = trace_activations(config, build, params_dtype, autocast, train.micro_batch_size, flags["seq_len"])
+        traced[checkpointing] = trace_activations(config, build, params_dtype, autocast, train.micro_batch_size, tokens_per_rank)
     acts = traced[train.gradient_checkpointing]
     buffers = list(states.buffers)
     if flags["quantize"] is not None:
@@ -110,6 +115,7 @@ def plan_memory(flags: dict) -> dict:
         "quantize": flags["quantize"],
         "micro_batch_size": train.micro_batch_size,
         "seq_len": flags["seq_len"],
+        "context_parallel": layout.context_parallel,
         "gradient_checkpointing": train.gradient_checkpointing,
         "attention": config._attn_implementation,
         "parameters": {
@@ -168,7 +174,8 @@ def render(plan: dict) -> str:
     lines = [
         f"litft estimate: {plan['model']}, {what}, {layout}, world size {plan['world_size']}, {plan['precision']}",
         f"{_count(p['total'])} parameters, {_count(p['trained'])} trained; "
-        f"micro batch {plan['micro_batch_size']} x {plan['seq_len']} tokens, "
+        f"micro batch {plan['micro_batch_size']} x {plan['seq_len']} tokens"
+        + (f" split over {plan['context_parallel']} ranks (context parallel)" if plan["context_parallel"] > 1 else "") + ", "
         f"activation checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, {plan['attention']} attention",
         "",
         f"{'per rank (the fullest), GiB':<34}{'GPU':>8}  {'CPU':>8}",

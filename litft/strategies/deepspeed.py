@@ -52,7 +52,7 @@ def zero_buckets(stage: int, hidden_size: int) -> dict:
     return buckets
 
 
-def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, world_size: int, precision: str, hidden_size: Optional[int] = None) -> dict:
+def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, layout: Layout, precision: str, hidden_size: Optional[int] = None) -> dict:
     """DeepSpeed's config from litft's flags, or the user's file with its "auto" values filled in.
 
     The loop owns accumulation: it marks the last micro-batch as the boundary (see
@@ -60,10 +60,12 @@ def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, world_size: int, pre
     the model's ``hidden_size``, communication overlaps the backward in sized buckets
     wherever the config leaves them out or says "auto" (``zero_buckets``).
     """
+    accumulation = layout.accumulation(train)
     ours = {
-        "train_batch_size": train.global_batch_size,
+        # DeepSpeed counts a batch per rank; the ranks of a context-parallel group share theirs.
+        "train_batch_size": train.micro_batch_size * accumulation * layout.world_size,
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": train.global_batch_size // (train.micro_batch_size * world_size),
+        "gradient_accumulation_steps": accumulation,
         "gradient_clipping": train.max_norm or 0.0,
     }
     if args.config is not None:
@@ -173,7 +175,7 @@ class DeepSpeed(TrainingStrategy):
     def __init__(self, layout: Layout, accelerator: str, precision: str, train: TrainArgs):
         super().__init__(layout, accelerator, precision, train)
         self.backend = "nccl" if accelerator == "cuda" else "gloo"  # DeepSpeed's communication layer takes one backend
-        self.config = deepspeed_config(layout.deepspeed, train, layout.world_size, precision)
+        self.config = deepspeed_config(layout.deepspeed, train, layout, precision)
         self.stage = int(self.config["zero_optimization"].get("stage", 0))
         self._dtype = param_dtype(precision)  # what the other strategies fill the weights in
         self._shards: Optional[RowShards] = None
@@ -199,8 +201,8 @@ class DeepSpeed(TrainingStrategy):
 
     @staticmethod
     def zero_section(layout: Layout, precision: str, train: Optional[TrainArgs] = None, hidden_size: Optional[int] = None) -> dict:
-        one_step = train or TrainArgs(global_batch_size=layout.world_size, micro_batch_size=1)
-        return deepspeed_config(layout.deepspeed, one_step, layout.world_size, precision, hidden_size)["zero_optimization"]
+        one_step = train or TrainArgs(global_batch_size=layout.data_world, micro_batch_size=1)
+        return deepspeed_config(layout.deepspeed, one_step, layout, precision, hidden_size)["zero_optimization"]
 
     def fabric_strategy(self):
         if self.accelerator == "cpu":
@@ -254,7 +256,7 @@ class DeepSpeed(TrainingStrategy):
     def setup(self, fabric, lm, fill: Fill, on_device: bool):
         """DeepSpeed takes model and optimizer together; its buckets are sized to the model now that it is known."""
         self.fabric = fabric
-        sized = deepspeed_config(self.layout.deepspeed, self.train, self.layout.world_size, self.precision, lm.hf_model.config.hidden_size)
+        sized = deepspeed_config(self.layout.deepspeed, self.train, self.layout, self.precision, lm.hf_model.config.hidden_size)
         fabric.strategy.config["zero_optimization"].update(sized["zero_optimization"])
         fill(lm)
         made = lm.configure_optimizers()

@@ -32,6 +32,22 @@ def test_every_job_strategy_and_precision(tmp_path):
     assert by_name["finetune_qlora zero3 bf16-mixed"]["saved"] == ["float32"]
 
 
+def test_context_parallel_under_each_sharding_and_bf16_precision(tmp_path):
+    """A context group of both ranks, through the kernel's branch: each job with each sharding, each sharding with each bf16
+    precision (the exact match with one process is tests/distributed/test_context_parallel.py's, in fp32)."""
+    cases = [
+        Case(job, strategy, precision, context_parallel=2)
+        for job, strategy, precision in (
+            ("finetune_full", "fsdp", "bf16-true"), ("finetune_full", "zero3", "bf16-mixed"),
+            ("finetune_qlora", "fsdp", "bf16-mixed"), ("finetune_qlora", "zero3", "bf16-true"),
+        )
+    ]
+    results = run_matrix(cases, tmp_path, accelerator="cpu", world=2, env=STANDIN)
+    failed = [summary_line(r) for r in results if not r["passed"]]
+    assert not failed, "\n".join(failed)
+    assert {tuple(r["attention"]) for r in results} == {("varlen bfloat16 (got bfloat16)",)}
+
+
 def test_an_unsupported_combination_is_one_line_before_any_process(tmp_path):
     """fp16 autocast on the CPU, and FSDP with fp16 anywhere (FSDP2 has no loss scaling), are refused before a process starts."""
     started = time.perf_counter()

@@ -104,6 +104,11 @@ def test_unknown_flags_are_named_before_anything_runs(tmp_path, capsys, monkeypa
         (["--strategy", "deepspeed", "--deepspeed.offload_parameters", "cpu"], "offload_parameters needs --deepspeed.stage 3"),
         (["--strategy", "deepspeed", "--deepspeed.stage", "0", "--deepspeed.offload_optimizer", "cpu"], "needs --deepspeed.stage 1, 2 or 3"),
         (["--strategy", "deepspeed", "--deepspeed.config", "nope.json"], "--deepspeed.config nope.json does not exist"),
+        (["--devices", "3", "--context_parallel", "2", "--train.global_batch_size", "6"], "--context_parallel 2 must divide --devices 3"),
+        (["--devices", "8", "--context_parallel", "8", "--train.global_batch_size", "8"], "--context_parallel 8 must divide the model's 4 attention heads"),
+        (["--devices", "2", "--context_parallel", "2", "--attn_implementation", "sdpa"], "use --attn_implementation auto or litft_segments, not sdpa"),
+        (["--devices", "2", "--context_parallel", "2", "--compile", "true"], "--compile true is not yet supported with --context_parallel"),
+        (["--devices", "4", "--context_parallel", "2", "--train.global_batch_size", "6"], "not divisible by micro_batch_size x world size"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
@@ -202,6 +207,7 @@ HF_PARQUET = ["--data", "HF", "--data.path", "d.parquet"]
         (["--lora_dropout", "1.5"], "--lora_dropout is a probability in [0, 1), got 1.5"),
         (["--devices", "0"], "--devices must be at least 1"),
         (["--num_nodes", "0"], "--num_nodes must be at least 1"),
+        (["--context_parallel", "0"], "--context_parallel must be at least 1"),
         (["--data.max_seq_length", "0"], "--data.max_seq_length must be at least 1"),
         (["--data.num_train", "0"], "--data.num_train must be at least 1"),
         ([*HF_PARQUET, "--data.val_split_fraction", "1"], "--data.val_split_fraction is the share held out for validation, in [0, 1)"),

@@ -206,6 +206,7 @@ def test_cli_estimates_a_shipped_config(capsys):
         (["--strategy", "deepspeed", "--deepspeed.offload_parameters", "cpu"], "offload_parameters needs --deepspeed.stage 3"),
         (["--strategy", "fsdp", "--gpu", "V100"], "fp16 needs loss scaling that FSDP2 lacks"),
         (["--gpu", "TPUv9"], "--gpu TPUv9 is unknown"),
+        (["--devices", "3", "--context_parallel", "3"], "--context_parallel 3 must divide the model's 4 attention heads"),
     ],
 )
 def test_impossible_runs_are_refused_in_one_line(capsys, tiny_dir, args, message):

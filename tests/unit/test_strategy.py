@@ -17,7 +17,7 @@ TRAIN = TrainArgs(global_batch_size=32, micro_batch_size=2, max_norm=0.5)
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "config_hub" / "deepspeed").glob("*.json")))
 def test_shipped_deepspeed_configs_take_litft_values(name):
-    config = deepspeed_config(DeepSpeedArgs(config=ROOT / "config_hub" / "deepspeed" / name), TRAIN, 8, "bf16-mixed")
+    config = deepspeed_config(DeepSpeedArgs(config=ROOT / "config_hub" / "deepspeed" / name), TRAIN, Layout("deepspeed", 8), "bf16-mixed")
     assert config["train_batch_size"] == 32 and config["train_micro_batch_size_per_gpu"] == 2
     assert config["gradient_accumulation_steps"] == 2
     assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
@@ -28,7 +28,7 @@ def test_shipped_deepspeed_configs_take_litft_values(name):
 
 
 def test_flags_make_the_zero_section():
-    config = deepspeed_config(DeepSpeedArgs(stage=3, offload_optimizer="nvme", offload_parameters="cpu"), TRAIN, 4, "32-true")
+    config = deepspeed_config(DeepSpeedArgs(stage=3, offload_optimizer="nvme", offload_parameters="cpu"), TRAIN, Layout("deepspeed", 4), "32-true")
     assert config["zero_optimization"] == {
         "stage": 3,
         "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"},
@@ -48,7 +48,7 @@ def test_user_config_that_disagrees_is_refused(tmp_path, content, message):
     path = tmp_path / "ds.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))
     with pytest.raises(LitftError, match=message.replace("(", r"\(")):
-        deepspeed_config(DeepSpeedArgs(config=path), TRAIN, 8, "32-true")
+        deepspeed_config(DeepSpeedArgs(config=path), TRAIN, Layout("deepspeed", 8), "32-true")
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ def test_fsdp_mesh_is_replicate_by_shard(kind, devices, nodes, shard_size, shape
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_generated_zero_config_overlaps_communication_in_buckets_sized_to_the_model(stage):
-    zero = deepspeed_config(DeepSpeedArgs(stage=stage), TRAIN, 8, "bf16-mixed", hidden_size=4096)["zero_optimization"]
+    zero = deepspeed_config(DeepSpeedArgs(stage=stage), TRAIN, Layout("deepspeed", 8), "bf16-mixed", hidden_size=4096)["zero_optimization"]
     assert zero["overlap_comm"] is True and zero["contiguous_gradients"] is True
     assert zero["reduce_bucket_size"] == 4096**2  # 32 MiB in bf16, where DeepSpeed's default is 1 GB
     if stage == 3:
@@ -81,7 +81,7 @@ def test_generated_zero_config_overlaps_communication_in_buckets_sized_to_the_mo
 def test_user_zero_config_keeps_its_values_and_fills_auto(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": False, "reduce_bucket_size": "auto"}}))
-    zero = deepspeed_config(DeepSpeedArgs(config=path), TRAIN, 8, "bf16-mixed", hidden_size=1024)["zero_optimization"]
+    zero = deepspeed_config(DeepSpeedArgs(config=path), TRAIN, Layout("deepspeed", 8), "bf16-mixed", hidden_size=1024)["zero_optimization"]
     assert zero["overlap_comm"] is False and zero["reduce_bucket_size"] == 1024**2 and zero["allgather_bucket_size"] == 1024**2
 
 

@@ -1,0 +1,131 @@
+"""Context parallel (DeepSpeed-Ulysses): each sequence split over N ranks of a node, whole heads exchanged around attention.
+
+Ranks ``g*N .. g*N+N-1`` form a context group. They take the same samples (between
+them they are one data-parallel rank) and each keeps one contiguous slice of every
+row's tokens, so activations per rank shrink N times. Everything but attention
+works on the slice as it is: rotary from the slice's own position ids, the head and
+the loss on the slice's targets. Attention needs whole rows: an all-to-all hands
+each rank every token of H/N of the heads, attention runs over whole rows with the
+boundaries collate computed for them (any kernel litft_segments uses), and a second
+all-to-all gives each rank back its own tokens of every head.
+
+Gradients need nothing new. Each rank's loss is the sum over its slice's target
+tokens, scaled by the target count of the whole global batch, and every strategy
+already averages gradients over all ranks: the sum over a group's slices is the
+sum over its samples, so the step is the one a single process takes.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from litft.data.base import IGNORE_INDEX, cumulative_lengths, targets_of
+from litft.errors import LitftError
+
+MARK = "litft_context"  # the varlen key that tells attention this batch is split (generation's batches are not)
+_group: Optional[dist.ProcessGroup] = None  # this rank's context group, made once per process by ``join_context_groups``
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """Where this rank sits: its context group's size, its place in the group and the data-parallel rank it shares."""
+
+    size: int = 1
+    place: int = 0
+    data_rank: int = 0
+    data_world: int = 1
+
+    @classmethod
+    def of(cls, global_rank: int, world_size: int, size: int) -> "ContextSplit":
+        return cls(size, global_rank % size, global_rank // size, world_size // size)
+
+    def split(self, batch: dict) -> dict:
+        """This rank's slice of a collated micro-batch; the whole rows' boundaries stay, for attention."""
+        return batch if self.size == 1 else slice_batch(batch, self.place, self.size)
+
+
+def check_heads(config, size: int) -> None:
+    """One line when the model's attention heads cannot be dealt out over the group."""
+    heads = getattr(config, "num_attention_heads", None)
+    if size > 1 and heads is not None and heads % size:
+        raise LitftError(
+            f"--context_parallel {size} must divide the model's {heads} attention heads (each rank attends with heads / N of them); "
+            f"choose a divisor of {heads}"
+        )
+
+
+def join_context_groups(split: ContextSplit, world_size: int) -> None:
+    """Make the context groups: every rank takes part in making each one, and keeps its own."""
+    global _group
+    if split.size == 1:
+        _group = None
+        return
+    for first in range(0, world_size, split.size):
+        group = dist.new_group(list(range(first, first + split.size)))
+        if first == split.data_rank * split.size:
+            _group = group
+
+
+def slice_batch(batch: dict, place: int, size: int) -> dict:
+    """Rows padded to a multiple of ``size`` (padding counts on from the last sample and carries no loss), then cut.
+
+    The targets are found on the whole rows first, so a slice's last token still predicts the first token of the next slice.
+    """
+    input_ids, position_ids, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+    rows, width = input_ids.shape
+    part = -(-width // size)
+    extra = part * size - width
+    if extra:
+        input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(rows, extra)], dim=1)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, extra + 1)], dim=1)
+        labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
+    targets = targets_of(labels)
+    row, column = targets["index"] // (part * size), targets["index"] % (part * size)
+    start = place * part
+    mine = (column >= start) & (column < start + part)
+    mine_only = slice(start, start + part)
+    return {
+        **batch,
+        "input_ids": input_ids[:, mine_only], "position_ids": position_ids[:, mine_only], "labels": labels[:, mine_only],
+        "varlen": {**cumulative_lengths(position_ids), MARK: size},
+        "targets": {"index": row[mine] * part + column[mine] - start, "labels": targets["labels"][mine]},
+    }
+
+
+def _exchange(tensor: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
+    """Chunk ``i`` of dimension ``scatter`` goes to the group's rank ``i``; what rank ``i`` sends lands as chunk ``i`` of ``gather``."""
+    size = dist.get_world_size(_group)
+    outgoing = torch.stack(tensor.chunk(size, dim=scatter)).contiguous()
+    incoming = torch.empty_like(outgoing)
+    dist.all_to_all_single(incoming, outgoing, group=_group)
+    return torch.cat(incoming.unbind(0), dim=gather)
+
+
+class _Exchange(torch.autograd.Function):
+    """The all-to-all with its gradient: the same exchange with the two dimensions swapped."""
+
+    @staticmethod
+    def forward(ctx, tensor, scatter: int, gather: int):
+        ctx.dims = (scatter, gather)
+        return _exchange(tensor, scatter, gather)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter, gather = ctx.dims
+        return _exchange(grad.contiguous(), gather, scatter), None, None
+
+
+def attend_whole_rows(attend: Callable, query, key, value, **kwargs):
+    """``attend`` (q (B, H, S, D), k and v (B, KV, S, D) -> (B, S, H, D)) on whole rows from this rank's slice of them."""
+    if _group is None:
+        raise LitftError("a context-parallel batch reached attention in a process without context groups")
+    size = dist.get_world_size(_group)
+    groups = query.shape[1] // key.shape[1]
+    if key.shape[1] % size:  # fewer K/V heads than the group can share: each query head gets its own copy
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    query, key, value = (_Exchange.apply(t, 1, 2) for t in (query, key, value))  # (B, heads / N, whole rows, D)
+    out = attend(query, key, value, **kwargs)  # (B, whole rows, heads / N, D)
+    return _Exchange.apply(out, 1, 2)  # (B, this slice, heads, D)
