@@ -1,7 +1,6 @@
 """``litft estimate`` against what real steps hold, the sharding arithmetic of each strategy, and its CLI."""
 
 import json
-import types
 from pathlib import Path
 
 import pytest

@@ -5,7 +5,6 @@ import json
 
 import pyarrow as pa
 import pytest
-import torch
 
 from litft.data import HF, JSON, Mix, TextFiles
 from litft.data.mix import mixed_counts
