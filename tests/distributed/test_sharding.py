@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, read_metrics, run_cli, run_recording_zero3_partitions, step_losses
+from tests.conftest import ROOT, final_value, read_metrics, run_cli, run_recording_zero3_partitions, step_losses
 
 COMMON = [
     "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8",
@@ -165,11 +165,12 @@ def free_port() -> int:
 
 @pytest.mark.parametrize("job", ["finetune_full"])  # LoRA under FSDP is covered on one node; the 2-D mesh is what this tests
 def test_hybrid_shard_two_nodes_match_one_process(tmp_path, reference, job):
-    """Two launches on 127.0.0.1 (node ranks 0 and 1) x 2 processes: shard inside a node, replicate across."""
+    """Two launches on 127.0.0.1 (node ranks 0 and 1) x 2 processes: shard inside a node, replicate across, and each node's
+    two ranks one context group that splits every row (so the nodes are the two data-parallel ranks)."""
     out = tmp_path / "hybrid"
     args = [
         sys.executable, "-m", "litft", job, *COMMON, *JOBS[job][0], "--strategy", "fsdp", "--devices", "2",
-        "--num_nodes", "2", "--train.micro_batch_size", "2", "--out_dir", str(out),
+        "--num_nodes", "2", "--context_parallel", "2", "--train.micro_batch_size", "2", "--out_dir", str(out),
     ]
     port = str(free_port())
     nodes = [
@@ -187,3 +188,34 @@ def test_hybrid_shard_two_nodes_match_one_process(tmp_path, reference, job):
     # Both nodes wrote their shards of one checkpoint, committed once.
     meta = (out / "checkpoints" / "step-00000004" / "meta.json").read_text()
     assert '"world_size": 4' in meta and len(list((out / "checkpoints" / "step-00000004" / "model").glob("*.distcp"))) == 4
+
+
+def test_fsdp_with_context_parallel_matches_one_process_and_resumes_without_it(reference, tmp_path):
+    """4 ranks: FSDP over all of them, two context groups of 2 (two data-parallel ranks, micro-batches of 2 rows, each row cut
+    in two). TinyTasks' uneven samples make padding-free rows that are padded to the group and cut mid-sample, so the
+    all-to-all around attention and targets across a slice's edge are exercised. The step-2 checkpoint then resumes on 2
+    ranks without context parallel and ends where one process ends."""
+    single, out = reference("finetune_full"), tmp_path / "cp"
+    run_cli(
+        "finetune_full", *COMMON, "--strategy", "fsdp", "--devices", "4", "--context_parallel", "2", "--train.micro_batch_size", "2",
+        "--train.save_interval", "2", "--out_dir", out, timeout=600,
+    )
+    assert_same_training(single, out, "finetune_full", (0.25, 0.25, 0.25))
+    assert abs(final_value(out, "val_loss") - final_value(single, "val_loss")) <= 1e-5 * final_value(single, "val_loss")
+    resumed = tmp_path / "resumed"
+    run_cli(
+        "finetune_full", *COMMON, "--strategy", "fsdp", "--devices", "2", "--train.micro_batch_size", "4",
+        "--resume", out / "checkpoints" / "step-00000002", "--out_dir", resumed, "--eval.final_validation", "false",
+    )
+    expected = step_losses(single)[2:]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(step_losses(resumed), expected)) and len(step_losses(resumed)) == 2
+
+
+def test_lora_with_context_parallel_under_zero3_matches_one_process(reference, tmp_path):
+    """ZeRO-3 partitions the weights over the two ranks of one context group; the adapters train as in one process."""
+    out = tmp_path / "zero3-cp"
+    run_cli(
+        "finetune_lora", *COMMON, *JOBS["finetune_lora"][0], "--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2",
+        "--context_parallel", "2", "--train.micro_batch_size", "4", "--out_dir", out, timeout=600,
+    )
+    assert_same_training(reference("finetune_lora"), out, "finetune_lora", (None, None, None))
