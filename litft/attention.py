@@ -145,10 +145,6 @@ class AttentionRecord:
 RECORD = AttentionRecord()
 
 
-def compute_dtype_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
-    """The dtype attention computes in: autocast's where it is on (q and k leave rotary in fp32 there, v does not), else the query's."""
-    device = query.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
 
 
 def segments_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
@@ -157,7 +153,10 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
     A padding mask (generation of left-padded prompts) or a KV cache goes to transformers' SDPA path as it is. A batch
     split over a context group (litft.context_parallel) attends over its whole rows, with heads dealt out over the group.
     """
-    if kwargs.get(context_parallel.MARK) and attention_mask is None:
+    if kwargs.get(context_parallel.MARK):
+        if attention_mask is not None:  # each rank would attend inside its own slice only
+            raise LitftError("--context_parallel needs a model whose attention takes no mask for packed rows (transformers' masking_utils)")
+
         def whole_rows(q, k, v, **rest):
             return _attend_in_samples(module, q, k, v, None, dropout, scaling, **rest)[0]
 
@@ -175,7 +174,7 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
             return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
         cu = cumulative_lengths(position_ids.expand(query.shape[0], -1).cpu())["cu_seq_lens_q"]  # transformers' default ids are (1, S)
     received = query.dtype
-    dtype = compute_dtype_of(query, key, value)
+    dtype = context_parallel.compute_dtype(query)
     # One dtype for all three: under autocast q and k come out of rotary in fp32 while v is already low precision.
     query, key, value = (t.to(dtype) for t in (query, key, value))
     gqa = query.shape[1] != key.shape[1]

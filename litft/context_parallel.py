@@ -15,6 +15,7 @@ already averages gradients over all ranks: the sum over a group's slices is the
 sum over its samples, so the step is the one a single process takes.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -22,7 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from litft.data.base import IGNORE_INDEX, cumulative_lengths, targets_of
+from litft.cluster import process_group_timeout
+from litft.data.base import IGNORE_INDEX, cumulative_lengths, pinned, targets_of
 from litft.errors import LitftError
 
 MARK = "litft_context"  # the varlen key that tells attention this batch is split (generation's batches are not)
@@ -49,7 +51,8 @@ class ContextSplit:
 
 def check_heads(config, size: int) -> None:
     """One line when the model's attention heads cannot be dealt out over the group."""
-    heads = getattr(config, "num_attention_heads", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal configs keep it apart
+    heads = getattr(text, "num_attention_heads", None)
     if size > 1 and heads is not None and heads % size:
         raise LitftError(
             f"--context_parallel {size} must divide the model's {heads} attention heads (each rank attends with heads / N of them); "
@@ -64,7 +67,7 @@ def join_context_groups(split: ContextSplit, world_size: int) -> None:
         _group = None
         return
     for first in range(0, world_size, split.size):
-        group = dist.new_group(list(range(first, first + split.size)))
+        group = dist.new_group(list(range(first, first + split.size)), timeout=process_group_timeout())
         if first == split.data_rank * split.size:
             _group = group
 
@@ -73,6 +76,7 @@ def slice_batch(batch: dict, place: int, size: int) -> dict:
     """Rows padded to a multiple of ``size`` (padding counts on from the last sample and carries no loss), then cut.
 
     The targets are found on the whole rows first, so a slice's last token still predicts the first token of the next slice.
+    A pinned batch (made for a GPU's non-blocking copy) gives pinned slices.
     """
     input_ids, position_ids, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
     rows, width = input_ids.shape
@@ -80,24 +84,27 @@ def slice_batch(batch: dict, place: int, size: int) -> dict:
     extra = part * size - width
     if extra:
         input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(rows, extra)], dim=1)
-        position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, extra + 1)], dim=1)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, extra + 1, device=position_ids.device)], dim=1)
         labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
     targets = targets_of(labels)
     row, column = targets["index"] // (part * size), targets["index"] % (part * size)
     start = place * part
     mine = (column >= start) & (column < start + part)
     mine_only = slice(start, start + part)
-    return {
-        **batch,
-        "input_ids": input_ids[:, mine_only], "position_ids": position_ids[:, mine_only], "labels": labels[:, mine_only],
+    sliced = {
+        "input_ids": input_ids[:, mine_only].contiguous(), "position_ids": position_ids[:, mine_only].contiguous(),
+        "labels": labels[:, mine_only].contiguous(),
         "varlen": {**cumulative_lengths(position_ids), MARK: size},
         "targets": {"index": row[mine] * part + column[mine] - start, "labels": targets["labels"][mine]},
     }
+    return {**batch, **(pinned(sliced) if batch["input_ids"].is_pinned() else sliced)}
 
 
 def _exchange(tensor: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
     """Chunk ``i`` of dimension ``scatter`` goes to the group's rank ``i``; what rank ``i`` sends lands as chunk ``i`` of ``gather``."""
     size = dist.get_world_size(_group)
+    if tensor.shape[scatter] % size:
+        raise LitftError(f"context parallel: {tensor.shape[scatter]} heads or tokens cannot be dealt out over {size} ranks")
     outgoing = torch.stack(tensor.chunk(size, dim=scatter)).contiguous()
     incoming = torch.empty_like(outgoing)
     dist.all_to_all_single(incoming, outgoing, group=_group)
@@ -118,14 +125,24 @@ class _Exchange(torch.autograd.Function):
         return _exchange(grad.contiguous(), gather, scatter), None, None
 
 
+def compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's where it is on, else the query's."""
+    device = query.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+
+
 def attend_whole_rows(attend: Callable, query, key, value, **kwargs):
     """``attend`` (q (B, H, S, D), k and v (B, KV, S, D) -> (B, S, H, D)) on whole rows from this rank's slice of them."""
     if _group is None:
         raise LitftError("a context-parallel batch reached attention in a process without context groups")
     size = dist.get_world_size(_group)
-    groups = query.shape[1] // key.shape[1]
-    if key.shape[1] % size:  # fewer K/V heads than the group can share: each query head gets its own copy
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    query, key, value = (_Exchange.apply(t, 1, 2) for t in (query, key, value))  # (B, heads / N, whole rows, D)
+    # K/V heads the group cannot share evenly are copied (each in place, so query head chunk j still meets its K/V in
+    # chunk j), as few times as makes them divide: N / gcd(KV, N), which divides H / KV since N divides H.
+    copies = size // math.gcd(key.shape[1], size)
+    if copies > 1:
+        key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
+    # One dtype before the exchange: under autocast q and k leave rotary in fp32, and attention computes in bf16 anyway.
+    dtype = compute_dtype(query)
+    query, key, value = (_Exchange.apply(t.to(dtype), 1, 2) for t in (query, key, value))  # (B, heads / N, whole rows, D)
     out = attend(query, key, value, **kwargs)  # (B, whole rows, heads / N, D)
     return _Exchange.apply(out, 1, 2)  # (B, this slice, heads, D)

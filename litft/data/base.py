@@ -328,11 +328,11 @@ class SampleOrder:
         return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
 
 
-def _pinned(batch):
+def pinned(batch):
     """The batch in page-locked memory, so that its copy to the GPU does not wait for the host."""
     if torch.is_tensor(batch):
         return batch.pin_memory()
-    return {k: _pinned(v) for k, v in batch.items()} if isinstance(batch, dict) else batch
+    return {k: pinned(v) for k, v in batch.items()} if isinstance(batch, dict) else batch
 
 
 class StepBatches:
@@ -373,7 +373,7 @@ class StepBatches:
 def collated(micro_samples: List[List[Sample]], pad_id: int, padding_free: bool, pin: bool) -> List[Dict[str, torch.Tensor]]:
     """Micro-batches of samples, collated (and pinned, for a GPU's non-blocking copy)."""
     micro = [collate(samples, pad_id, padding_free) for samples in micro_samples]
-    return [_pinned(b) for b in micro] if pin else micro
+    return [pinned(b) for b in micro] if pin else micro
 
 
 def eval_batches(num_samples: int, micro_batch_size: int, rank: int, world_size: int) -> Iterator[List[int]]:

@@ -76,8 +76,11 @@ def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, layout: Layout, prec
         for key, value in ours.items():
             given = config.get(key, "auto")
             if given != "auto" and given != value:
+                why = ""
+                if key == "train_batch_size" and layout.context_parallel > 1:
+                    why = " (DeepSpeed counts each sample once per rank of a --context_parallel group)"
                 raise LitftError(
-                    f"--deepspeed.config sets {key} to {given} but litft's flags give {value}; set it to \"auto\" or change the flags"
+                    f"--deepspeed.config sets {key} to {given} but litft's flags give {value}{why}; set it to \"auto\" or change the flags"
                 )
             config[key] = value
     else:
