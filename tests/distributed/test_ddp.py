@@ -30,7 +30,7 @@ def test_ddp_matches_single_process(tmp_path, job, extra):
     assert reference[-1] < reference[0]
     for a, b in zip(reference, distributed):
         assert abs(a - b) <= 1e-5 * abs(a), (reference, distributed)
-    assert (ddp / "final" / "model.safetensors").is_file()
+    assert (ddp / ("final-adapter/adapter_model.safetensors" if job == "finetune_lora" else "final/model.safetensors")).is_file()
     # The same global batches are the same model FLOPs, however many ranks share them.
     assert flops_per_token_logged(single) == pytest.approx(flops_per_token_logged(ddp), rel=1e-9)
     rows = [r for r in read_metrics(ddp) if "mfu" in r]
