@@ -145,6 +145,10 @@ class AttentionRecord:
 RECORD = AttentionRecord()
 
 
+def compute_dtype_of(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's where it is on (q and k leave rotary in fp32 there, v does not), else the query's."""
+    device = query.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
 
 
 def segments_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
@@ -160,7 +164,9 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
         def whole_rows(q, k, v, **rest):
             return _attend_in_samples(module, q, k, v, None, dropout, scaling, **rest)[0]
 
-        return context_parallel.attend_whole_rows(whole_rows, query, key, value, **kwargs), None
+        # One dtype before the exchange: q and k leave rotary in fp32 under autocast, and would travel at twice the bytes.
+        dtype = compute_dtype_of(query, key, value)
+        return context_parallel.attend_whole_rows(whole_rows, *(t.to(dtype) for t in (query, key, value)), **kwargs), None
     return _attend_in_samples(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
@@ -174,7 +180,7 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
             return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
         cu = cumulative_lengths(position_ids.expand(query.shape[0], -1).cpu())["cu_seq_lens_q"]  # transformers' default ids are (1, S)
     received = query.dtype
-    dtype = context_parallel.compute_dtype(query)
+    dtype = compute_dtype_of(query, key, value)
     # One dtype for all three: under autocast q and k come out of rotary in fp32 while v is already low precision.
     query, key, value = (t.to(dtype) for t in (query, key, value))
     gqa = query.shape[1] != key.shape[1]

@@ -227,6 +227,11 @@ class Layout:
     deepspeed: DeepSpeedArgs = field(default_factory=DeepSpeedArgs)
     context_parallel: int = 1  # ranks that split each sequence between them (litft.context_parallel)
 
+    @classmethod
+    def of(cls, flags: dict) -> "Layout":
+        """The layout a command's flat flags give (a job's, or litft estimate's)."""
+        return cls(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"], flags["context_parallel"])
+
     @property
     def world_size(self) -> int:
         return self.devices * self.num_nodes

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from litft.cluster import process_group_timeout
-from litft.data.base import IGNORE_INDEX, cumulative_lengths, pinned, targets_of
+from litft.data.base import IGNORE_INDEX, cumulative_lengths
 from litft.errors import LitftError
 
 MARK = "litft_context"  # the varlen key that tells attention this batch is split (generation's batches are not)
@@ -75,8 +75,8 @@ def join_context_groups(split: ContextSplit, world_size: int) -> None:
 def slice_batch(batch: dict, place: int, size: int) -> dict:
     """Rows padded to a multiple of ``size`` (padding counts on from the last sample and carries no loss), then cut.
 
-    The targets are found on the whole rows first, so a slice's last token still predicts the first token of the next slice.
-    A pinned batch (made for a GPU's non-blocking copy) gives pinned slices.
+    The targets are collate's, found on the whole rows, so a slice's last token still predicts the first token of the next
+    slice; none falls in the padding, which predicts nothing.
     """
     input_ids, position_ids, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
     rows, width = input_ids.shape
@@ -86,18 +86,18 @@ def slice_batch(batch: dict, place: int, size: int) -> dict:
         input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(rows, extra)], dim=1)
         position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, extra + 1, device=position_ids.device)], dim=1)
         labels = F.pad(labels, (0, extra), value=IGNORE_INDEX)
-    targets = targets_of(labels)
-    row, column = targets["index"] // (part * size), targets["index"] % (part * size)
+    targets = batch["targets"]
+    row, column = targets["index"] // width, targets["index"] % width
     start = place * part
     mine = (column >= start) & (column < start + part)
     mine_only = slice(start, start + part)
-    sliced = {
+    return {
+        **batch,
         "input_ids": input_ids[:, mine_only].contiguous(), "position_ids": position_ids[:, mine_only].contiguous(),
         "labels": labels[:, mine_only].contiguous(),
         "varlen": {**cumulative_lengths(position_ids), MARK: size},
         "targets": {"index": row[mine] * part + column[mine] - start, "labels": targets["labels"][mine]},
     }
-    return {**batch, **(pinned(sliced) if batch["input_ids"].is_pinned() else sliced)}
 
 
 def _exchange(tensor: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
@@ -125,12 +125,6 @@ class _Exchange(torch.autograd.Function):
         return _exchange(grad.contiguous(), gather, scatter), None, None
 
 
-def compute_dtype(query: torch.Tensor) -> torch.dtype:
-    """The dtype attention computes in: autocast's where it is on, else the query's."""
-    device = query.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
-
-
 def attend_whole_rows(attend: Callable, query, key, value, **kwargs):
     """``attend`` (q (B, H, S, D), k and v (B, KV, S, D) -> (B, S, H, D)) on whole rows from this rank's slice of them."""
     if _group is None:
@@ -141,8 +135,6 @@ def attend_whole_rows(attend: Callable, query, key, value, **kwargs):
     copies = size // math.gcd(key.shape[1], size)
     if copies > 1:
         key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
-    # One dtype before the exchange: under autocast q and k leave rotary in fp32, and attention computes in bf16 anyway.
-    dtype = compute_dtype(query)
-    query, key, value = (_Exchange.apply(t.to(dtype), 1, 2) for t in (query, key, value))  # (B, heads / N, whole rows, D)
+    query, key, value = (_Exchange.apply(t, 1, 2) for t in (query, key, value))  # (B, heads / N, whole rows, D)
     out = attend(query, key, value, **kwargs)  # (B, whole rows, heads / N, D)
     return _Exchange.apply(out, 1, 2)  # (B, this slice, heads, D)

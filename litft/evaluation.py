@@ -11,11 +11,10 @@ from litft.model import target_tokens
 
 
 @torch.no_grad()
-def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batches: Optional[int], pad_id: int, padding_free: bool = False,
-             context: Optional[ContextSplit] = None) -> float:
+def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batches: Optional[int], pad_id: int, padding_free: bool,
+             context: ContextSplit) -> float:
     """Token-mean loss over the validation set, every sample counted once across ranks (each rank of a context group its slice)."""
     module.eval()
-    context = context or ContextSplit.of(fabric.global_rank, fabric.world_size, 1)
     totals = torch.zeros(2, dtype=torch.float64, device=fabric.device)
     for n, idx in enumerate(eval_batches(len(data.val), micro_batch_size, context.data_rank, context.data_world)):
         if max_batches is not None and n >= max_batches:

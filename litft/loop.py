@@ -80,7 +80,7 @@ def next_batch(trainer) -> Optional[StepBatch]:
     fabric, state = trainer.fabric, trainer.state
     trainer.watch.at(state.step + 1, "training")
     state.epoch, state.epoch_step = trainer.batches.position(state.epoch, state.epoch_step)  # the next epoch, past the end of one
-    micro = [trainer.context.split(b) for b in trainer.batches.get(state.epoch, state.epoch_step)]
+    micro = trainer.batches.get(state.epoch, state.epoch_step)  # this rank's slices, under context parallel
     trainer.sample_log.write(state.step + 1, state.epoch, [b["ids"].tolist() for b in micro])
     reason = trainer.stops.reason(state.step)
     flops = sum(trainer.flops.of_row(int(n)) for b in micro for n in b["lengths"]) if trainer.flops else 0.0

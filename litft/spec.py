@@ -55,7 +55,7 @@ class RunSpec:
             lora = LoraArgs(
                 flags["lora_r"], flags["lora_alpha"], flags["lora_dropout"], flags["lora_target_modules"], flags["quantize"], flags["export"]
             )
-        layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"], flags.get("context_parallel", 1))
+        layout = Layout.of(flags)
         common = dict(
             job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
             accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], compile=flags["compile"], kernels=flags["kernels"],

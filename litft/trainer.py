@@ -160,10 +160,12 @@ class Trainer:
         rank, world, pad, pin = self.context.data_rank, self.context.data_world, self.tokenizer.pad_token_id, fabric.device.type == "cuda"
         self.padding_free = attention in PACKED_SAFE  # samples end to end in one row, no padding computed
         if streamed:
-            self.batches = data.train.step_batches(train.global_batch_size, train.micro_batch_size, rank, world, pad, pin, self.padding_free)
+            self.batches = data.train.step_batches(
+                train.global_batch_size, train.micro_batch_size, rank, world, pad, pin, self.padding_free, self.context.split
+            )
         else:
             order = SampleOrder(num_train, train.global_batch_size, train.micro_batch_size, rank, world, spec.seed)
-            self.batches = StepBatches(data.train, order, pad, self.padding_free, pin=pin)
+            self.batches = StepBatches(data.train, order, pad, self.padding_free, pin=pin, split=self.context.split)
         self.cadence = Cadence(self.total_steps, spec.eval, train.save_interval, train.max_tokens)
         self.flops = StepFlops.for_run(self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print)
         self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step, compiled=spec.compile)

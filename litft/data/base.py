@@ -7,7 +7,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -328,11 +328,11 @@ class SampleOrder:
         return [mine[i : i + self.micro_batch_size] for i in range(0, len(mine), self.micro_batch_size)]
 
 
-def pinned(batch):
+def _pinned(batch):
     """The batch in page-locked memory, so that its copy to the GPU does not wait for the host."""
     if torch.is_tensor(batch):
         return batch.pin_memory()
-    return {k: pinned(v) for k, v in batch.items()} if isinstance(batch, dict) else batch
+    return {k: _pinned(v) for k, v in batch.items()} if isinstance(batch, dict) else batch
 
 
 class StepBatches:
@@ -343,8 +343,9 @@ class StepBatches:
     ``SampleOrder``'s pure function of (epoch, step).
     """
 
-    def __init__(self, samples: List[Sample], order: "SampleOrder", pad_id: int, padding_free: bool = False, pin: bool = False):
-        self.samples, self.order, self.pad_id, self.padding_free, self.pin = samples, order, pad_id, padding_free, pin
+    def __init__(self, samples: List[Sample], order: "SampleOrder", pad_id: int, padding_free: bool = False, pin: bool = False,
+                 split: Optional[Callable[[dict], dict]] = None):
+        self.samples, self.order, self.pad_id, self.padding_free, self.pin, self.split = samples, order, pad_id, padding_free, pin, split
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="litft-collate")
         self.ahead = None
 
@@ -354,7 +355,7 @@ class StepBatches:
 
     def make(self, epoch: int, step: int):
         indices = self.order.micro_batches(epoch, step)
-        return collated([[self.samples[i] for i in idx] for idx in indices], self.pad_id, self.padding_free, self.pin)
+        return collated([[self.samples[i] for i in idx] for idx in indices], self.pad_id, self.padding_free, self.pin, self.split)
 
     def get(self, epoch: int, step: int):
         """The micro-batches of this step of this epoch; the next step's are started at once."""
@@ -370,10 +371,14 @@ class StepBatches:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def collated(micro_samples: List[List[Sample]], pad_id: int, padding_free: bool, pin: bool) -> List[Dict[str, torch.Tensor]]:
-    """Micro-batches of samples, collated (and pinned, for a GPU's non-blocking copy)."""
+def collated(micro_samples: List[List[Sample]], pad_id: int, padding_free: bool, pin: bool,
+             split: Optional[Callable[[dict], dict]] = None) -> List[Dict[str, torch.Tensor]]:
+    """Micro-batches of samples, collated, cut to this rank's slice where ``split`` says (context parallel), and pinned, for a
+    GPU's non-blocking copy."""
     micro = [collate(samples, pad_id, padding_free) for samples in micro_samples]
-    return [pinned(b) for b in micro] if pin else micro
+    if split is not None:
+        micro = [split(b) for b in micro]
+    return [_pinned(b) for b in micro] if pin else micro
 
 
 def eval_batches(num_samples: int, micro_batch_size: int, rank: int, world_size: int) -> Iterator[List[int]]:

@@ -58,10 +58,11 @@ class StreamBatches:
     """
 
     def __init__(self, stream: RecordStream, encode: Callable[[dict, int], Sample], global_batch_size: int, micro_batch_size: int,
-                 rank: int, world_size: int, pad_id: int, pin: bool = False, padding_free: bool = False):
+                 rank: int, world_size: int, pad_id: int, pin: bool = False, padding_free: bool = False,
+                 split: Optional[Callable[[dict], dict]] = None):
         self.stream, self.encode = stream, encode
         self.global_batch_size, self.micro_batch_size, self.rank, self.world_size = global_batch_size, micro_batch_size, rank, world_size
-        self.pad_id, self.pin, self.padding_free = pad_id, pin, padding_free
+        self.pad_id, self.pin, self.padding_free, self.split = pad_id, pin, padding_free, split
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="litft-stream")
         self.cursor: Optional[Tuple[int, int, Iterator]] = None  # (epoch, next position, records); touched by the worker only
         self.made: Dict[Tuple[int, int], Future] = {}
@@ -78,7 +79,7 @@ class StreamBatches:
             return None
         mine = [self.encode(record, index) for index, record in batch[self.rank :: self.world_size]]
         size = self.micro_batch_size
-        return collated([mine[i : i + size] for i in range(0, len(mine), size)], self.pad_id, self.padding_free, self.pin)
+        return collated([mine[i : i + size] for i in range(0, len(mine), size)], self.pad_id, self.padding_free, self.pin, self.split)
 
     def ahead(self, epoch: int, step: int) -> Future:
         if (epoch, step) not in self.made:
@@ -110,8 +111,8 @@ class StreamSource:
     encode: Callable[[dict, int], Sample]
 
     def step_batches(self, global_batch_size: int, micro_batch_size: int, rank: int, world_size: int, pad_id: int, pin: bool,
-                     padding_free: bool = False) -> StreamBatches:
-        return StreamBatches(self.stream, self.encode, global_batch_size, micro_batch_size, rank, world_size, pad_id, pin, padding_free)
+                     padding_free: bool = False, split: Optional[Callable[[dict], dict]] = None) -> StreamBatches:
+        return StreamBatches(self.stream, self.encode, global_batch_size, micro_batch_size, rank, world_size, pad_id, pin, padding_free, split)
 
 
 def streamed(module, tokenizer, seed: int) -> PreparedData:

@@ -49,7 +49,7 @@ def checked_run(flags: dict, precision: str):
         raise LitftError(f"--headroom is a share of device memory between 0 and 1, got {flags['headroom']}")
     if flags["quantize"] is not None and flags["job"] != "finetune_lora":
         raise LitftError("--quantize trains 4-bit weights only through LoRA adapters; use finetune_lora")
-    layout = Layout(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"], flags.get("context_parallel", 1))
+    layout = Layout.of(flags)
     lora = None
     if flags["job"] == "finetune_lora":
         lora = LoraArgs(flags["lora_r"], flags["lora_alpha"], flags["lora_dropout"], flags["lora_target_modules"], flags["quantize"])

@@ -211,21 +211,17 @@ def test_fsdp_with_context_parallel_matches_one_process_and_resumes_without_it(r
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(step_losses(resumed), expected)) and len(step_losses(resumed)) == 2
 
 
-def test_lora_with_context_parallel_under_fsdp_matches_one_process(reference, tmp_path):
-    """4 ranks, two context groups of 2: only the adapters train, sharded with their layers."""
-    out = tmp_path / "fsdp-cp-lora"
-    run_cli(
-        "finetune_lora", *COMMON, *JOBS["finetune_lora"][0], "--strategy", "fsdp", "--devices", "4", "--context_parallel", "2",
-        "--train.micro_batch_size", "2", "--train.save_interval", "null", "--out_dir", out, timeout=600,
-    )
-    assert_same_training(reference("finetune_lora"), out, "finetune_lora", (None, None, None))
-
-
-def test_lora_with_context_parallel_under_zero3_matches_one_process(reference, tmp_path):
-    """ZeRO-3 partitions the weights over the two ranks of one context group; the adapters train as in one process."""
-    out = tmp_path / "zero3-cp"
-    run_cli(
-        "finetune_lora", *COMMON, *JOBS["finetune_lora"][0], "--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2",
-        "--context_parallel", "2", "--train.micro_batch_size", "4", "--out_dir", out, timeout=600,
-    )
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # 4 ranks, two context groups of 2: the adapters sharded with their layers.
+        ["--strategy", "fsdp", "--devices", "4", "--train.micro_batch_size", "2", "--train.save_interval", "null"],
+        # ZeRO-3 partitions the weights over the two ranks of one context group.
+        ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2", "--train.micro_batch_size", "4"],
+    ],
+    ids=["fsdp", "zero3"],
+)
+def test_lora_with_context_parallel_matches_one_process(reference, tmp_path, layout):
+    out = tmp_path / "lora-cp"
+    run_cli("finetune_lora", *COMMON, *JOBS["finetune_lora"][0], *layout, "--context_parallel", "2", "--out_dir", out, timeout=600)
     assert_same_training(reference("finetune_lora"), out, "finetune_lora", (None, None, None))
