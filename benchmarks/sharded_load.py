@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-import lightning as L
+import lightning_fabric as L
 import torch
 from benchkit import PeakGrowth, llama_shape, shape_parser
 from transformers import LlamaForCausalLM

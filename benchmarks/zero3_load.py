@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import lightning as L
+import lightning_fabric as L
 import torch
 from benchkit import PeakGrowth, llama_shape, resident_mb, shape_parser
 from transformers import LlamaForCausalLM

@@ -92,7 +92,7 @@ def build_module(
     source: str, precision: str, lora: Optional[LoraArgs], train: TrainArgs, total_steps: int, *, random_init: bool, seed: int, device,
     strategy: TrainingStrategy, attention: Optional[str] = None, compile: bool = False, liger: bool = False,
 ) -> Tuple[CausalLM, Fill, bool]:
-    """The LightningModule, the fill that gives its tensors their first values, and whether it is already on ``device``.
+    """The CausalLM module, the fill that gives its tensors their first values, and whether it is already on ``device``.
 
     The strategy builds the structure (on the meta device, or partitioned as it is
     built) and says how it is filled.

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
-from peft import PeftModel
 from transformers import AutoModelForCausalLM, TextStreamer
 
 from litft.checkpoint.convert import export
@@ -42,6 +41,8 @@ def _from_pretrained(source: str, dtype: torch.dtype):
 
 def _with_adapter(adapter: Path, dtype: torch.dtype):
     """A peft adapter folder on the base model its config names."""
+    from peft import PeftModel  # here, not at the top: litft.lora says why
+
     base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     return PeftModel.from_pretrained(_from_pretrained(resolve_model(base), dtype), str(adapter)).eval()
 

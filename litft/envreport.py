@@ -18,7 +18,7 @@ import torch.distributed as dist
 from litft.attention import SEGMENTS, VARLEN, choose, segments_path
 from litft.selfcheck import Case, run_matrix, summary_line
 
-PACKAGES = ("litft", "torch", "lightning", "transformers", "peft", "bitsandbytes", "deepspeed", "liger-kernel", "flash-attn", "datasets", "accelerate")
+PACKAGES = ("litft", "torch", "lightning-fabric", "transformers", "peft", "bitsandbytes", "deepspeed", "liger-kernel", "flash-attn", "datasets", "accelerate")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 

@@ -7,10 +7,9 @@ import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-import datasets
 import lightning_utilities.core.rank_zero as lightning_rank_zero
 import transformers
-from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
 
 from litft.trackers import TRACKERS
 
@@ -92,9 +91,7 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    # datasets draws a bar for every split it reads and every map; litft says in one line what it tokenizes.
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # datasets is quieted where litft imports it (litft.data.hf.hf_datasets).
     # Lightning's CSV logger says this whenever logs/ has files; ContinuingCSVLogger keeps them on purpose.
     warnings.filterwarnings("ignore", message=".*Experiment logs directory .* exists and is not empty.*")
     # DCP says this on every single-process save and load.
@@ -106,7 +103,7 @@ def quiet_libraries() -> None:
         "ignore", message=r".*`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*", category=FutureWarning
     )
     # Lightning's rank-zero messages go to whichever logger its last imported package installed.
-    loggers = ("lightning.fabric.utilities.distributed", "lightning.fabric.strategies.deepspeed")
+    loggers = ("lightning_fabric.utilities.distributed", "lightning_fabric.strategies.deepspeed")
     for logger in (*map(logging.getLogger, loggers), lightning_rank_zero.log):
         if not any(isinstance(f, KnownNoise) for f in logger.filters):
             logger.addFilter(KnownNoise())

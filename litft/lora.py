@@ -1,9 +1,12 @@
-"""LoRA and QLoRA as a transform of the model before it is filled and sharded."""
+"""LoRA and QLoRA as a transform of the model before it is filled and sharded.
+
+peft is imported where it is used: it imports bitsandbytes and, through it, much of torch's
+compiler (seconds on every process start), which a run without LoRA never needs.
+"""
 
 from typing import Optional
 
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import BitsAndBytesConfig
 
 from litft.config import QUANTIZE_CHOICES, LoraArgs
@@ -22,7 +25,9 @@ def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype) -> 
     )
 
 
-def peft_config(lora: LoraArgs) -> LoraConfig:
+def peft_config(lora: LoraArgs):
+    from peft import LoraConfig
+
     return LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.targets, task_type="CAUSAL_LM", bias="none"
     )
@@ -37,6 +42,8 @@ def apply_lora(model, lora: LoraArgs):
     # so gradients reach the adapters through the frozen 4-bit layers without its input hook.
     for param in model.parameters():
         param.requires_grad_(False)
+    from peft import get_peft_model
+
     try:
         return get_peft_model(model, peft_config(lora))
     except ValueError as err:

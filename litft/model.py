@@ -1,10 +1,9 @@
-"""The LightningModule around a Hugging Face causal LM, and how models and tokenizers are found."""
+"""The module around a Hugging Face causal LM that litft trains, and how models and tokenizers are found."""
 
 import math
 from pathlib import Path
 from typing import Optional
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -125,8 +124,11 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class CausalLM(L.LightningModule):
+class CausalLM(torch.nn.Module):
     """A Hugging Face causal LM as litft trains it.
+
+    Fabric routes ``training_step`` and ``validation_step`` through the wrapped module's
+    forward, so DDP, FSDP and DeepSpeed hooks run when the loop calls them.
 
     The step methods return the *sum* of token losses; the loop divides by the
     number of target tokens in the whole global batch, so a step's gradient is

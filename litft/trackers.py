@@ -13,8 +13,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from lightning.fabric.loggers import Logger
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning_fabric.loggers import Logger
+from lightning_fabric.utilities.rank_zero import rank_zero_only
 
 from litft.errors import LitftError
 

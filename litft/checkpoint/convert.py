@@ -19,7 +19,6 @@ from typing import Dict, List, Literal, Optional
 
 import torch
 import yaml
-from peft import LoraConfig
 from safetensors.torch import save_file
 
 from litft.checkpoint.format import RUN_CONFIG, CheckpointMeta, TrainedTensors, dcp_trained_tensors, resolve_resume
@@ -279,6 +278,8 @@ def _block_tensors(names: List[str], trained: TrainedTensors, base, prefix: str,
 
 def _write_adapter(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict, staging: Path, dtype: Optional[str]) -> None:
     """The LoRA adapter alone, as the peft folder that ``PeftModel.from_pretrained`` reads."""
+    from peft import LoraConfig  # here, not at the top: litft.lora says why
+
     tensors = trained.read([n for n in trained.shapes if ADAPTER_KEY.search(n)])
     out_dtype = DTYPES[dtype] if dtype else None
     saved = {ADAPTER_KEY.sub(r".\1.weight", k): (v.to(out_dtype) if out_dtype else v).contiguous() for k, v in tensors.items()}

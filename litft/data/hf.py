@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-import datasets
 import torch
 
 from litft.config import at_least
@@ -36,10 +35,31 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 MAP_BATCH = 1000  # records per datasets.map call
 BLOCK_BATCH = 10_000  # text documents joined per cut; a block's worth of tail is dropped at the end of each
 PARALLEL_FROM = 20_000  # records from which tokenizing is worth starting processes for
-# Declared, not inferred: an empty split (no validation records, no scoring prompts for text) still saves and loads.
-TOKENS = datasets.Features({name: datasets.List(datasets.Value("int64")) for name in ("input_ids", "labels")} | {"length": datasets.Value("int64")})
-PACKED = datasets.Features({**TOKENS, "position_ids": datasets.List(datasets.Value("int64"))})
-PROMPTS = datasets.Features({"prompt_ids": datasets.List(datasets.Value("int64")), "reference": datasets.Value("string")})
+
+
+def hf_datasets():
+    """The ``datasets`` library, imported on first use and quieted (a bar for every split and map otherwise).
+
+    Not at the top: the import takes about a second of every process's start, and runs on
+    other data (TinyTasks, JSON, text files) never need it.
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def features(*columns: str):
+    """Declared, not inferred, so that an empty split (no validation records, no scoring prompts for text) still saves and loads."""
+    datasets = hf_datasets()
+    kinds = {"length": datasets.Value("int64"), "reference": datasets.Value("string")}
+    return datasets.Features({name: kinds.get(name, datasets.List(datasets.Value("int64"))) for name in columns})
+
+
+TOKENS = ("input_ids", "labels", "length")
+PACKED = (*TOKENS, "position_ids")
+PROMPTS = ("prompt_ids", "reference")
 
 
 @dataclass
@@ -123,6 +143,7 @@ def options(builder: str, files: List[Path]) -> dict:
         return {}
     with open(files[0], newline="", encoding="utf-8") as f:
         header = next(csv.reader(f), [])
+    datasets = hf_datasets()
     return {"features": datasets.Features({name: datasets.Value("string") for name in header}), "keep_default_na": False}
 
 
@@ -130,7 +151,7 @@ def loaded_by_datasets(load, what: str):
     """Call a ``datasets`` loader; what it says about bad or missing data becomes one line."""
     try:
         return load()
-    except (OSError, ValueError, datasets.exceptions.DatasetGenerationError) as err:
+    except (OSError, ValueError, hf_datasets().exceptions.DatasetGenerationError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise LitftError(f"could not load {what} ({reason}); check --data.path, --data.name and --data.split") from None
 
@@ -185,7 +206,7 @@ class HF(InstructionData):
 
     def loaded(self, streaming: bool) -> dict:
         """The dataset's splits, read by ``datasets`` (the builder for local files chosen from their extension)."""
-        local = Path(self.path).expanduser()
+        datasets, local = hf_datasets(), Path(self.path).expanduser()
         what = f"dataset {self.path!r}"
         if local.is_dir() and ((local / "dataset_dict.json").is_file() or (local / "state.json").is_file()):
             stored = loaded_by_datasets(lambda: datasets.load_from_disk(str(local)), what)
@@ -276,7 +297,7 @@ class HF(InstructionData):
                 train_idx, val_idx = split_indices(len(train), self.val_split_fraction, seed)
                 train, val = train.select(train_idx), train.select(val_idx)
             self.tokenize_into(cache, train, val, tokenizer, key)
-        stored = datasets.load_from_disk(str(cache))
+        stored = hf_datasets().load_from_disk(str(cache))
         return PreparedData(
             train=ArrowSamples(stored["train"]), val=ArrowSamples(stored["val"], first_id=len(stored["train"])),
             scoring=ArrowPrompts(stored["scoring"]),
@@ -284,7 +305,7 @@ class HF(InstructionData):
 
     def tokenize_into(self, cache: Path, train, val, tokenizer, key: str) -> None:
         """Tokenize both splits in parallel processes and save them (with the scoring prompts) as one folder, renamed into place."""
-        layout = self.layout(train.column_names)
+        datasets, layout = hf_datasets(), self.layout(train.column_names)
         max_len = self.effective_max_length(tokenizer)
         procs = self.num_proc or (min(os.cpu_count() or 1, 8) if len(train) >= PARALLEL_FROM else 1)
         staging = cache.parent / f".{cache.name}.{os.getpid()}"
@@ -292,13 +313,14 @@ class HF(InstructionData):
         staging.mkdir(parents=True)
         print(f"tokenizing {len(train):,} + {len(val):,} records of {self.path} ({layout.form}) in {procs} process(es), once", file=sys.stderr, flush=True)
 
-        def mapped(table, function, name, features, parallel=True, size=MAP_BATCH, with_indices=False, **kwargs):
+        def mapped(table, function, name, columns, parallel=True, size=MAP_BATCH, with_indices=False, **kwargs):
+            declared = features(*columns)
             if not len(table):  # datasets maps an empty table to one without columns
-                return datasets.Dataset.from_dict({column: [] for column in features}, features=features)
+                return datasets.Dataset.from_dict({column: [] for column in declared}, features=declared)
             workers = procs if parallel and procs > 1 and len(table) > 1 else None
             return table.map(
                 function, batched=True, batch_size=size, with_indices=with_indices, remove_columns=table.column_names, num_proc=workers,
-                fn_kwargs=kwargs, cache_file_name=str(staging / f"{name}.arrow"), new_fingerprint=f"{key}-{name}", features=features,
+                fn_kwargs=kwargs, cache_file_name=str(staging / f"{name}.arrow"), new_fingerprint=f"{key}-{name}", features=declared,
             )
 
         parts = {}

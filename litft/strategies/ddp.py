@@ -2,7 +2,7 @@
 
 from typing import List, Optional
 
-from lightning.fabric.strategies import DDPStrategy
+from lightning_fabric.strategies import DDPStrategy
 
 from litft.cluster import process_group_timeout
 from litft.config import Layout, TrainArgs

@@ -15,8 +15,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.fabric.utilities.seed import reset_seed
+from lightning_fabric.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning_fabric.utilities.seed import reset_seed
 
 from litft.cluster import process_group_timeout
 from litft.config import DeepSpeedArgs, Layout, TrainArgs
