@@ -226,11 +226,15 @@ class Layout:
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)
     deepspeed: DeepSpeedArgs = field(default_factory=DeepSpeedArgs)
     context_parallel: int = 1  # ranks that split each sequence between them (litft.context_parallel)
+    tensor_parallel: int = 1  # ranks that split each block's weights between them (litft.tensor_parallel)
 
     @classmethod
     def of(cls, flags: dict) -> "Layout":
         """The layout a command's flat flags give (a job's, or litft estimate's)."""
-        return cls(flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"], flags["context_parallel"])
+        return cls(
+            flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"], flags["context_parallel"],
+            flags.get("tensor_parallel", 1),
+        )
 
     @property
     def world_size(self) -> int:
@@ -238,8 +242,8 @@ class Layout:
 
     @property
     def data_world(self) -> int:
-        """Ranks that take different samples: a context-parallel group takes the same ones, each a slice of their tokens."""
-        return self.world_size // self.context_parallel
+        """Ranks that take different samples: a context- or tensor-parallel group takes the same ones."""
+        return self.world_size // (self.context_parallel * self.tensor_parallel)
 
     def accumulation(self, train: TrainArgs) -> int:
         """Micro-batches each rank runs per optimizer step."""
@@ -251,6 +255,14 @@ class Layout:
         at_least(self.num_nodes, 1, "--num_nodes")
         at_least(self.fsdp.shard_size, 1, "--fsdp.shard_size", "for one node")
         at_least(self.context_parallel, 1, "--context_parallel")
+        at_least(self.tensor_parallel, 1, "--tensor_parallel")
+        if self.context_parallel > 1 and self.tensor_parallel > 1:
+            raise LitftError("--context_parallel and --tensor_parallel together are not supported yet; choose one of them")
+        if self.devices % self.tensor_parallel:
+            raise LitftError(
+                f"--tensor_parallel {self.tensor_parallel} must divide --devices {self.devices}: a block is split over ranks of one node "
+                "(it all-reduces twice per block); choose a divisor of --devices"
+            )
         if self.devices % self.context_parallel:
             raise LitftError(
                 f"--context_parallel {self.context_parallel} must divide --devices {self.devices}: a sequence is split over ranks of one node "

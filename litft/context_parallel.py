@@ -33,16 +33,26 @@ _group: Optional[dist.ProcessGroup] = None  # this rank's context group, made on
 
 @dataclass(frozen=True)
 class ContextSplit:
-    """Where this rank sits: its context group's size, its place in the group and the data-parallel rank it shares."""
+    """Where this rank sits: its context group's size, its place in the group and the data-parallel rank it shares.
+
+    ``tensor``: the ranks of a tensor-parallel group (litft.tensor_parallel), which take the same samples whole.
+    """
 
     size: int = 1
     place: int = 0
     data_rank: int = 0
     data_world: int = 1
+    tensor: int = 1
 
     @classmethod
-    def of(cls, global_rank: int, world_size: int, size: int) -> "ContextSplit":
-        return cls(size, global_rank % size, global_rank // size, world_size // size)
+    def of(cls, global_rank: int, world_size: int, size: int, tensor: int = 1) -> "ContextSplit":
+        shared = size * tensor
+        return cls(size, (global_rank // tensor) % size, global_rank // shared, world_size // shared, tensor)
+
+    @property
+    def shared(self) -> int:
+        """Ranks that take the same samples: a context group, or a tensor-parallel group."""
+        return self.size * self.tensor
 
     def split(self, batch: dict) -> dict:
         """This rank's slice of a collated micro-batch; the whole rows' boundaries stay, for attention."""

@@ -40,18 +40,19 @@ def stop_tokens(model, tokenizer) -> List[int]:
 
 
 @torch.no_grad()
-def score(fabric, module, prompts: List[Prompted], tokenizer, max_new_tokens: int, batch_size: int = 64) -> float:
+def score(fabric, module, prompts: List[Prompted], tokenizer, max_new_tokens: int, batch_size: int = 64, tensor: int = 1) -> float:
     """Share of prompts whose greedy answer equals the reference exactly, over all ranks.
 
     Under FSDP and ZeRO-3 every forward is a collective, so every rank makes the same
     generate calls and the same number of forwards in each: a rank with fewer prompts
     answers a stand-in chunk it does not count, and generation goes on (``synced_gpus``)
-    until every rank's answers have ended.
+    until every rank's answers have ended. The ranks of a tensor-parallel group (``tensor``) answer the same prompts
+    together, and count them once each.
     """
     model = module.module.model if hasattr(module, "module") else module.model
     was_training = model.training
     model.eval()
-    mine = prompts[fabric.global_rank :: fabric.world_size]
+    mine = prompts[fabric.global_rank // tensor :: fabric.world_size // tensor]
     chunks = math.ceil(len(mine) / batch_size)
     if fabric.world_size > 1:
         chunks = int(fabric.all_reduce(torch.tensor(float(chunks), device=fabric.device), reduce_op="max").item())

@@ -82,6 +82,11 @@ CONTEXT_PARALLEL = Flag(
     "Ranks of a node that split each sequence between them (DeepSpeed-Ulysses: attention heads exchanged all-to-all), for sequences "
     "too long for one rank's memory; must divide --devices and the attention heads. Ranks of a group take the same samples.",
 )
+TENSOR_PARALLEL = Flag(
+    "tensor_parallel", int, 1,
+    "Ranks of a node that split every block's attention heads and MLP between them (column/row-parallel DTensors, with --strategy fsdp "
+    "sharding over the rest), for models whose weights do not fit; must divide --devices, the heads and the MLP width.",
+)
 ACCELERATOR = Flag("accelerator", Accelerator, "auto", "auto, cpu or cuda.")
 ATTENTION = Flag(
     "attn_implementation", Literal["auto", "litft_segments", "flash_attention_2", "sdpa", "eager"], "auto",
@@ -130,7 +135,7 @@ PROFILE = Flag(
 )
 
 # Where the processes run and how they split the model: every job and litft estimate.
-PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, CONTEXT_PARALLEL, ACCELERATOR]
+PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, CONTEXT_PARALLEL, TENSOR_PARALLEL, ACCELERATOR]
 MODEL_OPTIONS = [ATTENTION, COMPILE, KERNELS]
 LORA = [QUANTIZE, LORA_R, LORA_ALPHA, LORA_DROPOUT, LORA_TARGETS, EXPORT]
 RUN_CONTROL = [SEED, OVERWRITE, RESUME]

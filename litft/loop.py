@@ -93,8 +93,9 @@ def next_batch(trainer) -> Optional[StepBatch]:
         dtype=torch.float64, device=trainer.strategy.host_device,
     )
     targets, tokens, samples, stopping, flops = fabric.all_reduce(counts, reduce_op="sum").tolist()
-    # Each rank counts the targets of its own slice; tokens, samples and FLOPs once for every rank of a context group.
-    shared = trainer.context.size
+    # Each rank counts the targets of its own slice (all of them in a tensor-parallel group: loss and count alike, which the
+    # scale and the logged mean divide out); tokens, samples and FLOPs once for every rank of a group.
+    shared = trainer.context.shared
     targets, tokens, samples, stopping, flops = int(targets), int(tokens) // shared, int(samples) // shared, int(stopping), flops / shared
     if stopping:
         state.stopped_by = reason or "a signal to another rank"
@@ -106,7 +107,7 @@ def next_batch(trainer) -> Optional[StepBatch]:
 def train_step(trainer, batch: StepBatch) -> None:
     """Forward and backward of every micro-batch, one optimizer step, and the step's metrics."""
     fabric, module, optimizer, state = trainer.fabric, trainer.module, trainer.optimizer, trainer.state
-    scale = fabric.world_size / max(batch.targets, 1)
+    scale = fabric.world_size / max(batch.targets, 1)  # data ranks / targets under tensor parallel (see litft.tensor_parallel)
     loss_sum = torch.zeros((), dtype=torch.float64, device=fabric.device)
     for i, micro in enumerate(batch.micro):
         micro = fabric.to_device(micro)
@@ -139,7 +140,7 @@ def validate_and_log(trainer, scoring: bool) -> None:
         metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50))
     if scoring and spec.eval.score_samples:
         prompts = data.scoring[: spec.eval.score_samples]
-        metrics["val_score"] = score(fabric, trainer.module, prompts, trainer.tokenizer, spec.eval.max_new_tokens)
+        metrics["val_score"] = score(fabric, trainer.module, prompts, trainer.tokenizer, spec.eval.max_new_tokens, tensor=trainer.context.tensor)
     trainer.module.train()
     if metrics:
         fabric.log_dict(metrics, step=state.step)

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import List, Tuple
 
-import lightning as L
+import lightning_fabric as L
 import yaml
-from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning_fabric.plugins.environments import LightningEnvironment
 
 from litft.attention import PACKED_SAFE
 from litft.attention import choose as choose_attention
@@ -26,6 +26,7 @@ from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.checkpoint.format import RUN_CONFIG
 from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, launcher, leave_process_group, preflight, restarted
 from litft.context_parallel import ContextSplit, check_heads, join_context_groups
+from litft.tensor_parallel import check_model
 from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
 from litft.data.stream import StreamSource
 from litft.device import cuda_allocator_defaults, param_dtype, resolve_accelerator, resolve_precision
@@ -62,7 +63,7 @@ class Trainer:
     def __init__(self, spec: RunSpec, fabric, strategy, precision: str, attention: str):
         self.spec, self.fabric, self.strategy, self.precision, self.attention = spec, fabric, strategy, precision, attention
         self.state = LoopState()
-        self.context = ContextSplit.of(fabric.global_rank, fabric.world_size, spec.layout.context_parallel)
+        self.context = ContextSplit.of(fabric.global_rank, fabric.world_size, spec.layout.context_parallel, spec.layout.tensor_parallel)
         self.stops = StopRequests()
         self.watch = PeerWatch.idle()
 
@@ -90,6 +91,12 @@ class Trainer:
             if spec.compile:
                 raise LitftError("--compile true is not yet supported with --context_parallel (its all-to-all inside each block is untested); drop one of them")
             check_heads(load_config(resolve_model(spec.model)), layout.context_parallel)  # before any process starts
+        if layout.tensor_parallel > 1:
+            if spec.compile:
+                raise LitftError("--compile true is not yet supported with --tensor_parallel (untested); drop one of them")
+            if spec.lora is not None and spec.lora.quantize:
+                raise LitftError("--quantize with --tensor_parallel is not supported: 4-bit weights cannot be split as DTensors; drop one of them")
+            check_model(load_config(resolve_model(spec.model)), layout.tensor_parallel)
         strategy = chosen(layout, accelerator, precision, spec.train)
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),

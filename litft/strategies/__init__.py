@@ -27,6 +27,10 @@ def checked_strategy_class(layout: Layout, accelerator: str, precision: str) -> 
         group = other.options
         if other is not chosen and group is not None and layout.options(group) != type(layout.options(group))():
             raise LitftError(f"--{group}.* options only apply to --strategy {group} (this run uses --strategy {layout.strategy})")
+    if layout.tensor_parallel > 1 and not chosen.splits_blocks:
+        raise LitftError(
+            f"--tensor_parallel splits blocks as DTensors that FSDP2 shards further; {chosen.name} cannot hold them, use --strategy fsdp"
+        )
     chosen.check(layout, accelerator, precision)
     return chosen
 

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies import ModelParallelStrategy
+from lightning_fabric.strategies import ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -24,6 +24,7 @@ from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
 from litft.strategies.base import Fill, TrainingStrategy
+from litft.tensor_parallel import clip_gradients, parallelize_block
 from litft.weights import transformer_blocks
 
 
@@ -55,14 +56,14 @@ def frozen_dtype_may_differ(init_mp_dtypes: Optional[Callable] = None) -> bool:
 
 
 def mesh_shape(layout: Layout) -> Tuple[int, int]:
-    """(replicas, shard group size) of the FSDP2 device mesh."""
-    kind = layout.fsdp.sharding_strategy
+    """(replicas, shard group size) of the FSDP2 device mesh, over the ranks a tensor-parallel group counts as one."""
+    kind, world = layout.fsdp.sharding_strategy, layout.world_size // layout.tensor_parallel
     if kind in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        return 1, layout.world_size
+        return 1, world
     if kind == "NO_SHARD":
-        return layout.world_size, 1
-    shard = layout.fsdp.shard_size or layout.devices
-    return layout.world_size // shard, shard
+        return world, 1
+    shard = layout.fsdp.shard_size or layout.devices // layout.tensor_parallel
+    return world // shard, shard
 
 
 def shard_units(hf_model) -> List[torch.nn.Module]:
@@ -118,14 +119,18 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         super(ModelParallelStrategy, self).setup_environment()
         self._setup_distributed()
         replicas, shard = mesh_shape(self.layout)
-        if self.global_rank == 0 and self.layout.fsdp.sharding_strategy == "HYBRID_SHARD" and replicas == 1:
+        if self.global_rank == 0 and self.layout.fsdp.sharding_strategy == "HYBRID_SHARD" and replicas == 1 and shard > 1:
             print(f"HYBRID_SHARD with one shard group of {shard} ranks: sharding as FULL_SHARD", flush=True)
-        self._device_mesh = init_device_mesh(self.root_device.type, (replicas, shard), mesh_dim_names=("replicate", "shard"))
+        # Tensor-parallel ranks are the innermost dimension: consecutive ranks, inside a node.
+        tp = self.layout.tensor_parallel
+        shape, names = ((replicas, shard, tp), ("replicate", "shard", "tensor")) if tp > 1 else ((replicas, shard), ("replicate", "shard"))
+        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
 
     def _shard(self, module, mesh):
         # FSDP2 shards over a 1-D mesh and does HSDP (replicate x shard) over a 2-D one.
+        tensor = self.layout.tensor_parallel > 1
         options = {
-            "mesh": mesh["shard"] if mesh.shape[0] == 1 else mesh,
+            "mesh": mesh["shard"] if mesh.shape[0] == 1 else mesh["replicate", "shard"] if tensor else mesh,
             "reshard_after_forward": self.layout.fsdp.sharding_strategy != "SHARD_GRAD_OP",
         }
         if self.mixed:
@@ -136,8 +141,11 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         # 4-bit base weights (QLoRA) are frozen and packed with their quantization state;
         # they stay whole on every rank, everything else (adapters, norms, embeddings) is sharded.
         options["ignored_params"] = {p for p in module.parameters() if type(p).__name__ == "Params4bit"} or None
+        blocks = set(map(id, transformer_blocks(module.hf_model)))
         for unit in shard_units(module.hf_model):
             self.fill(unit)  # one full unit at a time, sharded right away
+            if tensor and id(unit) in blocks:
+                parallelize_block(unit, mesh["tensor"])
             fully_shard(unit, **options)
         self.fill(module)
         fully_shard(module.hf_model, **options)
@@ -149,6 +157,7 @@ class FSDP(TrainingStrategy):
 
     name = "FSDP"
     options = "fsdp"
+    splits_blocks = True
 
     @classmethod
     def check(cls, layout: Layout, accelerator: str, precision: str) -> None:
@@ -158,12 +167,16 @@ class FSDP(TrainingStrategy):
         if fsdp.shard_size is not None and fsdp.sharding_strategy != "HYBRID_SHARD":
             raise LitftError(f"--fsdp.shard_size only applies to HYBRID_SHARD (this run uses {fsdp.sharding_strategy})")
         if fsdp.sharding_strategy == "HYBRID_SHARD":
-            shard = fsdp.shard_size or layout.devices
-            if shard < 1 or layout.world_size % shard:
+            tp = layout.tensor_parallel
+            shard, world = fsdp.shard_size or layout.devices // tp, layout.world_size // tp
+            if shard < 1 or world % shard:
+                ranks = f"{layout.devices} devices x {layout.num_nodes} nodes" + (f" / --tensor_parallel {tp}" if tp > 1 else "")
                 raise LitftError(
-                    f"HYBRID_SHARD needs the world size ({layout.devices} devices x {layout.num_nodes} nodes = {layout.world_size}) "
+                    f"HYBRID_SHARD needs the {'world size' if tp == 1 else 'data-parallel world'} ({ranks} = {world}) "
                     f"to be a multiple of the shard group size ({shard}); change --fsdp.shard_size or the process count"
                 )
+        if layout.tensor_parallel > 1 and fsdp.cpu_offload:
+            raise LitftError("--fsdp.cpu_offload with --tensor_parallel is not supported yet (untested); drop one of them")
         if fsdp.cpu_offload and accelerator != "cuda":
             raise LitftError("--fsdp.cpu_offload moves GPU memory to the CPU; on --accelerator cpu there is nothing to offload, drop it")
 
@@ -187,6 +200,14 @@ class FSDP(TrainingStrategy):
         module = fabric.setup_module(lm, move_to_device=not on_device)
         made = lm.configure_optimizers()
         return module, fabric.setup_optimizers(made["optimizer"]), made["lr_scheduler"]
+
+    def optimizer_step(self, module, optimizer, max_norm: Optional[float]):
+        if self.layout.tensor_parallel == 1 or not max_norm:
+            return super().optimizer_step(module, optimizer, max_norm)
+        norm = clip_gradients([p for p in module.parameters() if p.requires_grad], max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def replicas_in_step(self, lm) -> Optional[float]:
         """The largest difference of shard checksums between replica groups (0.0 when the replicas are equal).

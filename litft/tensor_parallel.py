@@ -1,0 +1,140 @@
+"""Tensor parallel: each block's attention and MLP split over N ranks of a node, as DTensors (Megatron's column and row split).
+
+q/k/v and the MLP's gate/up projections are split by output feature (column), so each
+rank computes whole heads and a slice of the MLP's width; o_proj and down_proj are split
+by input feature (row) and end in an all-reduce, so a block's output is whole on every
+rank again. Norms, rotary, embeddings and the head stay whole (FSDP shards them over the
+data-parallel ranks as before); the head's loss is computed on every rank of the group.
+
+LoRA follows its base layer: for a column-split layer the adapter's B is split the same
+way and A stays whole; for a row-split one A is split by input feature (its small
+output all-reduced) and B stays whole. The sum of base and adapter then has the base's
+layout, and peft's forward runs unchanged.
+
+The ranks of a group take the same samples and compute the same loss, so FSDP averages
+gradients over the data-parallel ranks only; the loop's scale (``world / targets``, with
+every rank counting its targets) comes out as ``data ranks / targets`` by itself.
+"""
+
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from litft.errors import LitftError
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output feature
+ROW = ("o_proj", "down_proj")  # split by input feature, then all-reduced
+
+
+def check_model(config, size: int) -> None:
+    """One line when the model cannot be split over ``size`` ranks: whole heads and an even MLP on every rank."""
+    if size == 1:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    counts = {
+        "attention heads": getattr(text, "num_attention_heads", None),
+        "key/value heads": getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None),
+        "MLP width (intermediate_size)": getattr(text, "intermediate_size", None),
+    }
+    for what, count in counts.items():
+        if count is None:
+            raise LitftError(f"--tensor_parallel needs a model with {what} in its config ({type(text).__name__} has none); drop --tensor_parallel")
+        if count % size:
+            raise LitftError(f"--tensor_parallel {size} must divide the model's {count} {what}; choose a divisor of {count}")
+
+
+def split_layers(block: torch.nn.Module) -> Dict[str, str]:
+    """The block's linear layers that tensor parallel splits, by their name in the block: ``"column"`` or ``"row"``."""
+    found = {}
+    for name, _ in block.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in COLUMN:
+            found[name] = "column"
+        elif leaf in ROW:
+            found[name] = "row"
+    return found
+
+
+def plan(block: torch.nn.Module) -> dict:
+    """torch's parallelize_module plan for one block, LoRA adapters placed with their base layer."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {}
+    for name, kind in split_layers(block).items():
+        layer = block.get_submodule(name)
+        base = getattr(layer, "base_layer", None)
+        if base is None:
+            styles[name] = ColwiseParallel() if kind == "column" else RowwiseParallel()
+            continue
+        # peft's lora.Linear: the base and one adapter matrix split, the other adapter matrix whole.
+        styles[f"{name}.base_layer"] = ColwiseParallel() if kind == "column" else RowwiseParallel()
+        for adapter in layer.lora_A:
+            if kind == "column":
+                styles[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+            else:
+                styles[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
+    return styles
+
+
+def parallelize_block(block: torch.nn.Module, mesh) -> None:
+    """Split one filled transformer block over the 1-D tensor-parallel ``mesh``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    styles = plan(block)
+    if not styles:
+        raise LitftError(
+            f"--tensor_parallel found none of {', '.join(COLUMN + ROW)} in {type(block).__name__}; this model's layers are not "
+            "named as Llama-style models name them, drop --tensor_parallel"
+        )
+    parallelize_module(block, mesh, styles)
+
+
+def split_over_tensor_parallel(name: str) -> bool:
+    """Whether a parameter (by its full name) is split over the tensor-parallel ranks, for ``litft estimate``."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in COLUMN or part in ROW:
+            rest = [p for p in parts[i + 1 :] if p != "base_layer"]
+            if rest[:1] == ["lora_A"]:
+                return part in ROW
+            if rest[:1] == ["lora_B"]:
+                return part in COLUMN
+            return part in COLUMN or rest[-1:] != ["bias"]  # a row split's bias is added whole, after the all-reduce
+    return False
+
+
+def copies_of(tensor: torch.Tensor, world_size: int) -> int:
+    """How many ranks hold the same piece of ``tensor``: those its DTensor mesh does not split it over."""
+    if not isinstance(tensor, DTensor):
+        return world_size
+    split = 1
+    for size, placement in zip(tensor.device_mesh.shape, tensor.placements):
+        # Not isinstance(Shard): FSDP's shard of a tensor-parallel shard is a _StridedShard, which is no Shard on newer torch.
+        if not (placement.is_replicate() or placement.is_partial()):
+            split *= size
+    return world_size // split
+
+
+def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip by the global 2-norm of the gradients; the norm before clipping.
+
+    torch's clip_grad_norm_ stacks the norms of DTensors, which fails when they live on
+    different meshes (split layers on data x tensor, norms and embeddings on data only).
+    Here each rank sums the squares of its local pieces, each weighed by one over the
+    number of ranks that hold the same piece, and one all-reduce gives the global sum.
+    """
+    world = dist.get_world_size()
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        total += torch.linalg.vector_norm(local, dtype=torch.float32).square() / copies_of(grad, world)
+    dist.all_reduce(total)
+    norm = total.sqrt()
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for grad in grads:
+        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(factor.to(grad.dtype))
+    return norm
