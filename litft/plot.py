@@ -5,8 +5,6 @@ import os
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 
 def series(csv_path: Path, keys: Tuple[str, ...]) -> Dict[str, Tuple[List[float], List[float]]]:
@@ -26,6 +24,10 @@ def plot_losses(csv_path: Path, png_path: Path) -> bool:
     if not csv_path.is_file():
         return False
     data = series(csv_path, ("loss", "val_loss", "lr"))
+    # Imported here: only rank 0 draws, and matplotlib takes about a second of a process's start.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     if not data["loss"][0] and not data["val_loss"][0]:
         return False
     figure = Figure(figsize=(8, 4.5), dpi=100)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from litft.tensor_parallel import split_over_tensor_parallel
 from tests.conftest import ROOT, final_value, read_metrics, run_cli, run_recording_zero3_partitions, step_losses
 
 COMMON = [
@@ -225,3 +226,32 @@ def test_lora_with_context_parallel_matches_one_process(reference, tmp_path, lay
     out = tmp_path / "lora-cp"
     run_cli("finetune_lora", *COMMON, *JOBS["finetune_lora"][0], *layout, "--context_parallel", "2", "--out_dir", out, timeout=600)
     assert_same_training(reference("finetune_lora"), out, "finetune_lora", (None, None, None))
+
+
+@pytest.mark.parametrize("job", ["finetune_full", "finetune_lora"])
+def test_tensor_parallel_under_fsdp_matches_one_process(reference, tmp_path, job):
+    """4 ranks: two tensor-parallel groups of 2 (each block's heads and MLP split, LoRA adapters with their layer), FSDP over
+    the two groups. The full model's step-2 checkpoint then resumes on 2 ranks without tensor parallel (DCP reshards the
+    split tensors) and ends where one process ends."""
+    out = tmp_path / "tp"
+    save = ["--train.save_interval", "2"] if job == "finetune_full" else ["--train.save_interval", "null"]
+    run_cli(
+        job, *COMMON, *JOBS[job][0], "--strategy", "fsdp", "--devices", "4", "--tensor_parallel", "2", "--train.micro_batch_size", "2",
+        *save, "--out_dir", out, timeout=600,
+    )
+    fractions = (None, None, None)
+    if job == "finetune_full":
+        # A split layer's tensors are held by one rank of four (tensor x FSDP), the rest (norms, embeddings) by one of two.
+        weights = load_file(reference(job) / JOBS[job][1])
+        held = sum(t.numel() / (4 if split_over_tensor_parallel(name) else 2) for name, t in weights.items())
+        fractions = (held / sum(t.numel() for t in weights.values()),) * 3
+    assert_same_training(reference(job), out, job, fractions)
+    assert abs(final_value(out, "val_loss") - final_value(reference(job), "val_loss")) <= 1e-5 * final_value(reference(job), "val_loss")
+    if job == "finetune_full":
+        resumed = tmp_path / "resumed"
+        run_cli(
+            job, *COMMON, "--strategy", "fsdp", "--devices", "2", "--train.micro_batch_size", "4", "--eval.final_validation", "false",
+            "--resume", out / "checkpoints" / "step-00000002", "--out_dir", resumed,
+        )
+        expected = step_losses(reference(job))[2:]
+        assert len(step_losses(resumed)) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(step_losses(resumed), expected))

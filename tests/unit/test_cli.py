@@ -109,6 +109,13 @@ def test_unknown_flags_are_named_before_anything_runs(tmp_path, capsys, monkeypa
         (["--devices", "2", "--context_parallel", "2", "--attn_implementation", "sdpa"], "use --attn_implementation auto or litft_segments, not sdpa"),
         (["--devices", "2", "--context_parallel", "2", "--compile", "true"], "--compile true is not yet supported with --context_parallel"),
         (["--devices", "4", "--context_parallel", "2", "--train.global_batch_size", "6"], "not divisible by micro_batch_size x world size"),
+        (["--devices", "3", "--strategy", "fsdp", "--tensor_parallel", "2", "--train.global_batch_size", "6"], "--tensor_parallel 2 must divide --devices 3"),
+        (["--devices", "4", "--strategy", "fsdp", "--tensor_parallel", "4"], "--tensor_parallel 4 must divide the model's 2 key/value heads"),
+        (["--devices", "2", "--strategy", "deepspeed", "--tensor_parallel", "2"], "DeepSpeed cannot hold them, use --strategy fsdp"),
+        (["--devices", "2", "--tensor_parallel", "2"], "DDP cannot hold them, use --strategy fsdp"),
+        (["--devices", "4", "--strategy", "fsdp", "--tensor_parallel", "2", "--context_parallel", "2"], "together are not supported yet"),
+        (["--devices", "2", "--strategy", "fsdp", "--tensor_parallel", "2", "--compile", "true"], "--compile true is not yet supported with --tensor_parallel"),
+        (["--devices", "4", "--strategy", "fsdp", "--tensor_parallel", "2", "--train.global_batch_size", "6"], "not divisible by micro_batch_size x world size"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
@@ -116,6 +123,12 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     assert code == 2
     assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_tensor_parallel_refuses_a_4bit_base(tmp_path, capsys):
+    args = ["finetune_lora", *SMALL, "--quantize", "bnb.nf4", "--strategy", "fsdp", "--devices", "2", "--tensor_parallel", "2"]
+    code, err = run_main([*args, "--out_dir", tmp_path / "o"], capsys)
+    assert code == 2 and "--quantize with --tensor_parallel is not supported" in err and len(err.splitlines()) == 1, err
 
 
 def test_empty_dataset_is_reported(tmp_path, capsys):
@@ -208,6 +221,7 @@ HF_PARQUET = ["--data", "HF", "--data.path", "d.parquet"]
         (["--devices", "0"], "--devices must be at least 1"),
         (["--num_nodes", "0"], "--num_nodes must be at least 1"),
         (["--context_parallel", "0"], "--context_parallel must be at least 1"),
+        (["--tensor_parallel", "0"], "--tensor_parallel must be at least 1"),
         (["--data.max_seq_length", "0"], "--data.max_seq_length must be at least 1"),
         (["--data.num_train", "0"], "--data.num_train must be at least 1"),
         ([*HF_PARQUET, "--data.val_split_fraction", "1"], "--data.val_split_fraction is the share held out for validation, in [0, 1)"),
