@@ -45,10 +45,12 @@ class Case:
     steps: int = 2
     resume: bool = False  # also stop after half the steps, resume, and compare with the uninterrupted run
     context_parallel: int = 1  # ranks that split each sequence (the whole world of a distributed case, at most)
+    tensor_parallel: int = 1  # ranks that split each block (FSDP only)
 
     @property
     def name(self) -> str:
         split = f" cp{self.context_parallel}" if self.context_parallel > 1 else ""
+        split += f" tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         return f"{self.job} {self.strategy}{split} {self.precision}"
 
     @property
@@ -77,7 +79,8 @@ class Case:
 
         devices = world if self.distributed else 1
         flags = dict(
-            out_dir=out_dir, precision=self.precision, devices=devices, context_parallel=self.context_parallel, accelerator=accelerator,
+            out_dir=out_dir, precision=self.precision, devices=devices, context_parallel=self.context_parallel, tensor_parallel=self.tensor_parallel,
+            accelerator=accelerator,
             overwrite=not self.resume,
             attn_implementation="litft_segments", logger_name="csv", seed=7,
             data=TinyTasks(num_train=64, num_val=8, mask_prompt=self.job != "pretrain", packing=self.job == "pretrain"),

@@ -16,6 +16,7 @@ gradients over the data-parallel ranks only; the loop's scale (``world / targets
 every rank counting its targets) comes out as ``data ranks / targets`` by itself.
 """
 
+import copy
 from typing import Dict, List
 
 import torch
@@ -43,6 +44,19 @@ def check_model(config, size: int) -> None:
             raise LitftError(f"--tensor_parallel needs a model with {what} in its config ({type(text).__name__} has none); drop --tensor_parallel")
         if count % size:
             raise LitftError(f"--tensor_parallel {size} must divide the model's {count} {what}; choose a divisor of {count}")
+
+
+def one_rank_of(config, size: int):
+    """The config of what one rank of a tensor-parallel group computes in a block (heads and MLP width / size), for tracing."""
+    if size == 1:
+        return config
+    config = copy.deepcopy(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    text.num_key_value_heads = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) // size
+    text.num_attention_heads //= size
+    text.intermediate_size //= size
+    return config
 
 
 def split_layers(block: torch.nn.Module) -> Dict[str, str]:

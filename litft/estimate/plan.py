@@ -15,6 +15,7 @@ from litft.logs import quiet_libraries
 from litft.memory import GiB, Row
 from litft.model import load_config, resolve_model
 from litft.strategies import checked_strategy_class
+from litft.tensor_parallel import check_model, one_rank_of
 
 # Memory as torch.cuda reports total_memory, in GiB (a little under the marketed size).
 GPUS = {
@@ -73,6 +74,9 @@ def plan_memory(flags: dict) -> dict:
         source = str(Path(source).parent)
     config = load_config(resolve_model(source))
     check_heads(config, layout.context_parallel)
+    check_model(config, layout.tensor_parallel)
+    if layout.tensor_parallel > 1 and flags["quantize"] is not None:
+        raise LitftError("--quantize with --tensor_parallel is not supported: 4-bit weights cannot be split as DTensors; drop one of them")
     if flags["attention"] is not None:
         config._attn_implementation = flags["attention"]
     frozen_dtype = strategy.frozen_base_dtype(precision)
@@ -87,7 +91,9 @@ def plan_memory(flags: dict) -> dict:
     traced = {}
     for checkpointing in (train.gradient_checkpointing, not train.gradient_checkpointing):
         build = {"precision": precision, "lora": lora, "gradient_checkpointing": checkpointing, "frozen_dtype": frozen_dtype}
-        traced[checkpointing] = trace_activations(config, build, params_dtype, autocast, train.micro_batch_size, tokens_per_rank)
+        traced[checkpointing] = trace_activations(
+            one_rank_of(config, layout.tensor_parallel), build, params_dtype, autocast, train.micro_batch_size, tokens_per_rank
+        )
     acts = traced[train.gradient_checkpointing]
     buffers = list(states.buffers)
     if flags["quantize"] is not None:
@@ -116,6 +122,7 @@ def plan_memory(flags: dict) -> dict:
         "micro_batch_size": train.micro_batch_size,
         "seq_len": flags["seq_len"],
         "context_parallel": layout.context_parallel,
+        "tensor_parallel": layout.tensor_parallel,
         "gradient_checkpointing": train.gradient_checkpointing,
         "attention": config._attn_implementation,
         "parameters": {
@@ -175,7 +182,8 @@ def render(plan: dict) -> str:
         f"litft estimate: {plan['model']}, {what}, {layout}, world size {plan['world_size']}, {plan['precision']}",
         f"{_count(p['total'])} parameters, {_count(p['trained'])} trained; "
         f"micro batch {plan['micro_batch_size']} x {plan['seq_len']} tokens"
-        + (f" split over {plan['context_parallel']} ranks (context parallel)" if plan["context_parallel"] > 1 else "") + ", "
+        + (f" split over {plan['context_parallel']} ranks (context parallel)" if plan["context_parallel"] > 1 else "")
+        + (f", blocks split over {plan['tensor_parallel']} ranks (tensor parallel)" if plan["tensor_parallel"] > 1 else "") + ", "
         f"activation checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, {plan['attention']} attention",
         "",
         f"{'per rank (the fullest), GiB':<34}{'GPU':>8}  {'CPU':>8}",

@@ -24,7 +24,7 @@ from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
 from litft.strategies.base import Fill, TrainingStrategy
-from litft.tensor_parallel import clip_gradients, parallelize_block
+from litft.tensor_parallel import clip_gradients, parallelize_block, split_over_tensor_parallel
 from litft.weights import transformer_blocks
 
 
@@ -246,9 +246,12 @@ class FSDP(TrainingStrategy):
         mixed = precision.endswith("-mixed")
         low = element_size(compute_dtype(precision))
         trained = [t for t in tensors if t.trainable]
-        local = {t.name: local_elements(t, shard) for t in tensors}
+        tp = layout.tensor_parallel
+        # A tensor-parallel split comes first (whole heads per rank), FSDP shards what a rank keeps.
+        kept = {t.name: 1 / tp if tp > 1 and split_over_tensor_parallel(t.name) else 1.0 for t in tensors}
+        local = {t.name: local_elements(t, shard) * kept[t.name] for t in tensors}
         grads = sum(local[t.name] * t.itemsize for t in trained)
-        params = Row(sum(local[t.name] * t.itemsize + t.quant_state for t in tensors), note=f"shards of 1/{shard}" if shard > 1 else "")
+        params = Row(sum(local[t.name] * t.itemsize + t.quant_state for t in tensors), note=", ".join(filter(None, [f"blocks split 1/{tp}" if tp > 1 else "", f"shards of 1/{shard}" if shard > 1 else ""])))
         optimizer = Row(2 * grads + 4 * len(trained), note="AdamW exp_avg + exp_avg_sq of the shards")
         states = States(params=params, grads=Row(grads), optimizer=optimizer, step=Row(0, note="fused AdamW updates in place"))
         if fsdp.cpu_offload:
@@ -256,7 +259,7 @@ class FSDP(TrainingStrategy):
             states.grads = states.grads.moved_to_cpu("sharded, offloaded to CPU")
             states.optimizer = optimizer.moved_to_cpu("AdamW steps on the CPU")
             states.step = states.step.moved_to_cpu("")
-        units, trained_units = _unit_sizes(tensors, low if mixed else None)
+        units, trained_units = _unit_sizes(tensors, low if mixed else None, kept)
         root = units.pop("root", 0)
         if fsdp.sharding_strategy == "SHARD_GRAD_OP":
             gathered, how = root + sum(units.values()), "every unit stays gathered from forward to backward"
@@ -284,14 +287,17 @@ def local_elements(t: Param, shard: int) -> int:
     return min(rows, math.ceil(rows / shard)) * (t.numel // max(rows, 1))
 
 
-def _unit_sizes(tensors: List[Param], gathered_itemsize: Optional[int]) -> Tuple[Dict[str, float], Dict[str, int]]:
-    """Bytes of every unit when gathered (in the compute dtype under mixed precision), and trained elements per unit."""
+def _unit_sizes(tensors: List[Param], gathered_itemsize: Optional[int], kept: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """Bytes of every unit when gathered (in the compute dtype under mixed precision), and trained elements per unit.
+
+    ``kept``: the share of each tensor a rank's FSDP gathers (less than all of it where tensor parallel split it).
+    """
     units: Dict[str, float] = {}
-    trained: Dict[str, int] = {}
+    trained: Dict[str, float] = {}
     for t in tensors:
         if t.quantized:
             continue
-        units[t.unit] = units.get(t.unit, 0) + t.numel * (gathered_itemsize or t.itemsize)
+        units[t.unit] = units.get(t.unit, 0) + t.numel * kept[t.name] * (gathered_itemsize or t.itemsize)
         if t.trainable:
-            trained[t.unit] = trained.get(t.unit, 0) + t.numel
+            trained[t.unit] = trained.get(t.unit, 0) + t.numel * kept[t.name]
     return units, trained

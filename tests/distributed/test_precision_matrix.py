@@ -32,16 +32,17 @@ def test_every_job_strategy_and_precision(tmp_path):
     assert by_name["finetune_qlora zero3 bf16-mixed"]["saved"] == ["float32"]
 
 
-def test_context_parallel_under_each_sharding_and_bf16_precision(tmp_path):
+def test_context_and_tensor_parallel_under_each_sharding_and_bf16_precision(tmp_path):
     """A context group of both ranks, through the kernel's branch: each job with each sharding, each sharding with each bf16
-    precision (the exact match with one process is tests/distributed/test_context_parallel.py's, in fp32)."""
+    precision; a tensor-parallel group of both ranks under FSDP, full and LoRA, in each bf16 precision (the exact matches
+    with one process are tests/distributed/test_sharding.py's, in fp32)."""
     cases = [
         Case(job, strategy, precision, context_parallel=2)
         for job, strategy, precision in (
             ("finetune_full", "fsdp", "bf16-true"), ("finetune_full", "zero3", "bf16-mixed"),
             ("finetune_qlora", "fsdp", "bf16-mixed"), ("finetune_qlora", "zero3", "bf16-true"),
         )
-    ]
+    ] + [Case("finetune_full", "fsdp", "bf16-mixed", tensor_parallel=2), Case("finetune_lora", "fsdp", "bf16-true", tensor_parallel=2)]
     results = run_matrix(cases, tmp_path, accelerator="cpu", world=2, env=STANDIN)
     failed = [summary_line(r) for r in results if not r["passed"]]
     assert not failed, "\n".join(failed)

@@ -197,6 +197,28 @@ def test_cli_estimates_a_shipped_config(capsys):
     assert "FSDP all-gathered parameters" in table and "fits" in table
 
 
+def test_tensor_parallel_splits_the_blocks_before_fsdp_shards_them(tiny_dir):
+    """Per rank: a split layer's tensors 1/(tp x shard), the rest 1/shard, as test_sharding's tensor-parallel run measures
+    them; the heads' and MLP's activations shrink, the hidden states between blocks stay whole."""
+    from litft.build import build_model
+    from litft.estimate import memory_plan
+    from litft.model import load_config
+    from litft.tensor_parallel import split_over_tensor_parallel
+
+    plans = {
+        tp: memory_plan(
+            model=str(tiny_dir), job="finetune_full", strategy="fsdp", fsdp=FSDPArgs("FULL_SHARD"), devices=4, tensor_parallel=tp,
+            precision="32-true", seq_len=256,
+        )
+        for tp in (1, 2)
+    }
+    tensors = dict(build_model(load_config(str(tiny_dir)), "32-true", None, False).named_parameters())
+    held = sum(4 * p.numel() / (4 if split_over_tensor_parallel(name) else 2) for name, p in tensors.items())
+    assert plans[2]["per_rank"]["params"]["gpu"] == held == plans[2]["per_rank"]["grads"]["gpu"]
+    assert plans[2]["tensor_parallel"] == 2 and "blocks split over 2 ranks" in render(plans[2])
+    assert plans[2]["activations"]["per_layer"] < plans[1]["activations"]["per_layer"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -206,6 +228,8 @@ def test_cli_estimates_a_shipped_config(capsys):
         (["--strategy", "fsdp", "--gpu", "V100"], "fp16 needs loss scaling that FSDP2 lacks"),
         (["--gpu", "TPUv9"], "--gpu TPUv9 is unknown"),
         (["--devices", "3", "--context_parallel", "3"], "--context_parallel 3 must divide the model's 4 attention heads"),
+        (["--strategy", "fsdp", "--devices", "4", "--tensor_parallel", "4"], "--tensor_parallel 4 must divide the model's 2 key/value heads"),
+        (["--strategy", "deepspeed", "--devices", "2", "--tensor_parallel", "2"], "DeepSpeed cannot hold them, use --strategy fsdp"),
     ],
 )
 def test_impossible_runs_are_refused_in_one_line(capsys, tiny_dir, args, message):
