@@ -119,15 +119,22 @@ def split_over_tensor_parallel(name: str) -> bool:
     return False
 
 
+def splitting(placement) -> bool:
+    """Whether a DTensor placement splits the tensor over its mesh dimension.
+
+    Not ``isinstance(Shard)``: FSDP's shard of a tensor-parallel shard is a ``_StridedShard``, a
+    subclass of Shard on older torch and not on newer (2.13's ``is_shard()`` says False).
+    """
+    return not (placement.is_replicate() or placement.is_partial())
+
+
 def copies_of(tensor: torch.Tensor, world_size: int) -> int:
     """How many ranks hold the same piece of ``tensor``: those its DTensor mesh does not split it over."""
     if not isinstance(tensor, DTensor):
         return world_size
     split = 1
     for size, placement in zip(tensor.device_mesh.shape, tensor.placements):
-        # Not isinstance(Shard): FSDP's shard of a tensor-parallel shard is a _StridedShard, which is no Shard on newer torch.
-        if not (placement.is_replicate() or placement.is_partial()):
-            split *= size
+        split *= size if splitting(placement) else 1
     return world_size // split
 
 

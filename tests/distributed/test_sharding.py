@@ -1,4 +1,4 @@
-"""FSDP2 and DeepSpeed ZeRO, in real gloo processes, must train what one process trains on the same global batch.
+"""DDP, FSDP2 and DeepSpeed ZeRO, in real gloo processes, must train what one process trains on the same global batch.
 
 Each run is also checked against the sharding theory: the bytes of parameters,
 gradients and optimizer states a rank holds, as a fraction of what one process holds.
@@ -30,6 +30,7 @@ JOBS = {
 # Per rank, as a fraction of one process: (parameters, gradients, optimizer states).
 # ZeRO's optimizer states include its fp32 master copy of the partition: (2 + 1) / 2 of Adam's 2 states.
 LAYOUTS = {
+    "ddp": (["--strategy", "ddp", "--train.peak_tflops", "0.5"], (1.0, 1.0, 1.0)),
     "FULL_SHARD": (["--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD"], (0.5, 0.5, 0.5)),
     "SHARD_GRAD_OP": (["--strategy", "fsdp", "--fsdp.sharding_strategy", "SHARD_GRAD_OP"], (0.5, 0.5, 0.5)),
     "NO_SHARD": (["--strategy", "fsdp", "--fsdp.sharding_strategy", "NO_SHARD"], (1.0, 1.0, 1.0)),
@@ -82,8 +83,8 @@ def assert_same_training(single, sharded, job, fractions):
         assert abs(held - fraction * whole) <= 0.01 * whole, (key, held, whole, fraction)
 
 
-# Every layout trains the full model; LoRA (only adapters sharded) runs under the two that shard everything.
-CASES = [("finetune_full", layout) for layout in LAYOUTS] + [("finetune_lora", "FULL_SHARD"), ("finetune_lora", "zero3")]
+# Every layout trains the full model; LoRA (only adapters sharded) runs under DDP and the two that shard everything.
+CASES = [("finetune_full", layout) for layout in LAYOUTS] + [("finetune_lora", layout) for layout in ("ddp", "FULL_SHARD", "zero3")]
 
 
 @pytest.mark.parametrize("job, layout", CASES, ids=[f"{job}-{layout}" for job, layout in CASES])
@@ -94,6 +95,19 @@ def test_two_ranks_match_one_process(tmp_path, reference, job, layout):
     assert_same_training(reference(job), out, job, fractions)
     if layout == "NO_SHARD":
         assert [r["replica_checksum_spread"] for r in read_metrics(out) if "replica_checksum_spread" in r] == [0.0]
+    if layout == "ddp":
+        # The same global batches are the same model FLOPs, however many ranks share them.
+        assert flops_per_token_logged(reference(job)) == pytest.approx(flops_per_token_logged(out), rel=1e-9)
+        rows = [r for r in read_metrics(out) if "mfu" in r]
+        assert rows and all(r["mfu"] == pytest.approx(r["tflops_per_s_per_device"] / 0.5) for r in rows)
+        assert all(r["peak_memory_gb"] == max(r["peak_memory_gb/rank_0"], r["peak_memory_gb/rank_1"]) > 0 for r in rows)
+
+
+def flops_per_token_logged(out_dir):
+    """Model FLOPs per token of each step, from the logged rates: TFLOP/s of all devices over tokens/s."""
+    rows = [r for r in read_metrics(out_dir) if "tflops_per_s_per_device" in r]
+    world = round(rows[0]["tokens_per_s"] / rows[0]["tokens_per_s_per_device"])
+    return [r["tflops_per_s_per_device"] * 1e12 * world / r["tokens_per_s"] for r in rows]
 
 
 @pytest.mark.parametrize(
