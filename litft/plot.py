@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 
-
 def series(csv_path: Path, keys: Tuple[str, ...]) -> Dict[str, Tuple[List[float], List[float]]]:
     """(steps, values) of each key, from the rows of metrics.csv that have it (a resumed run's rows included)."""
     found: Dict[str, Tuple[List[float], List[float]]] = {key: ([], []) for key in keys}
@@ -24,12 +23,12 @@ def plot_losses(csv_path: Path, png_path: Path) -> bool:
     if not csv_path.is_file():
         return False
     data = series(csv_path, ("loss", "val_loss", "lr"))
+    if not data["loss"][0] and not data["val_loss"][0]:
+        return False
     # Imported here: only rank 0 draws, and matplotlib takes about a second of a process's start.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    if not data["loss"][0] and not data["val_loss"][0]:
-        return False
     figure = Figure(figsize=(8, 4.5), dpi=100)
     FigureCanvasAgg(figure)
     loss_axis = figure.add_subplot()

@@ -17,7 +17,7 @@ every rank counting its targets) comes out as ``data ranks / targets`` by itself
 """
 
 import copy
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,12 +27,15 @@ from litft.errors import LitftError
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output feature
 ROW = ("o_proj", "down_proj")  # split by input feature, then all-reduced
+SPLIT_ADAPTER = {"column": "lora_B", "row": "lora_A"}  # the LoRA matrix split with its layer; the other stays whole
 
 
-def check_model(config, size: int) -> None:
-    """One line when the model cannot be split over ``size`` ranks: whole heads and an even MLP on every rank."""
+def check_model(config, size: int, quantize: Optional[str] = None) -> None:
+    """One line when the model cannot be split over ``size`` ranks: whole heads and an even MLP on every rank, no 4-bit base."""
     if size == 1:
         return
+    if quantize is not None:
+        raise LitftError("--quantize with --tensor_parallel is not supported: 4-bit weights cannot be split as DTensors; drop one of them")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     counts = {
         "attention heads": getattr(text, "num_attention_heads", None),
@@ -82,13 +85,10 @@ def plan(block: torch.nn.Module) -> dict:
         if base is None:
             styles[name] = ColwiseParallel() if kind == "column" else RowwiseParallel()
             continue
-        # peft's lora.Linear: the base and one adapter matrix split, the other adapter matrix whole.
+        # peft's lora.Linear: the base and one adapter matrix split the same way, the other adapter matrix whole.
         styles[f"{name}.base_layer"] = ColwiseParallel() if kind == "column" else RowwiseParallel()
         for adapter in layer.lora_A:
-            if kind == "column":
-                styles[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
-            else:
-                styles[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
+            styles[f"{name}.{SPLIT_ADAPTER[kind]}.{adapter}"] = ColwiseParallel() if kind == "column" else RowwiseParallel()
     return styles
 
 
@@ -110,12 +110,10 @@ def split_over_tensor_parallel(name: str) -> bool:
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in COLUMN or part in ROW:
-            rest = [p for p in parts[i + 1 :] if p != "base_layer"]
-            if rest[:1] == ["lora_A"]:
-                return part in ROW
-            if rest[:1] == ["lora_B"]:
-                return part in COLUMN
-            return part in COLUMN or rest[-1:] != ["bias"]  # a row split's bias is added whole, after the all-reduce
+            kind, rest = "column" if part in COLUMN else "row", [p for p in parts[i + 1 :] if p != "base_layer"]
+            if rest[:1] in (["lora_A"], ["lora_B"]):
+                return rest[0] == SPLIT_ADAPTER[kind]
+            return kind == "column" or rest[-1:] != ["bias"]  # a row split's bias is added whole, after the all-reduce
     return False
 
 
@@ -138,7 +136,7 @@ def copies_of(tensor: torch.Tensor, world_size: int) -> int:
     return world_size // split
 
 
-def clip_gradients(params: List[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_by_global_norm(params: List[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip by the global 2-norm of the gradients; the norm before clipping.
 
     torch's clip_grad_norm_ stacks the norms of DTensors, which fails when they live on

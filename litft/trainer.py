@@ -26,7 +26,6 @@ from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.checkpoint.format import RUN_CONFIG
 from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, launcher, leave_process_group, preflight, restarted
 from litft.context_parallel import ContextSplit, check_heads, join_context_groups
-from litft.tensor_parallel import check_model
 from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
 from litft.data.stream import StreamSource
 from litft.device import cuda_allocator_defaults, param_dtype, resolve_accelerator, resolve_precision
@@ -41,6 +40,7 @@ from litft.profiling import StepProfiler
 from litft.ranks import on_rank_zero, rank_zero_first
 from litft.spec import RunResult, RunSpec
 from litft.strategies import checked_strategy_class
+from litft.tensor_parallel import check_model
 from litft.watch import PeerWatch, StopSignals
 
 def plan_steps(train, num_samples: int, mean_tokens: float) -> int:
@@ -94,9 +94,7 @@ class Trainer:
         if layout.tensor_parallel > 1:
             if spec.compile:
                 raise LitftError("--compile true is not yet supported with --tensor_parallel (untested); drop one of them")
-            if spec.lora is not None and spec.lora.quantize:
-                raise LitftError("--quantize with --tensor_parallel is not supported: 4-bit weights cannot be split as DTensors; drop one of them")
-            check_model(load_config(resolve_model(spec.model)), layout.tensor_parallel)
+            check_model(load_config(resolve_model(spec.model)), layout.tensor_parallel, spec.lora.quantize if spec.lora else None)
         strategy = chosen(layout, accelerator, precision, spec.train)
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),

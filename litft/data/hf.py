@@ -9,6 +9,7 @@ memory-mapped, a row at a time, as the sample order asks for it. Streamed data
 """
 
 import csv
+import functools
 import os
 import shutil
 import sys
@@ -37,6 +38,7 @@ BLOCK_BATCH = 10_000  # text documents joined per cut; a block's worth of tail i
 PARALLEL_FROM = 20_000  # records from which tokenizing is worth starting processes for
 
 
+@functools.cache
 def hf_datasets():
     """The ``datasets`` library, imported on first use and quieted (a bar for every split and map otherwise).
 

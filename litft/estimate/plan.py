@@ -74,9 +74,7 @@ def plan_memory(flags: dict) -> dict:
         source = str(Path(source).parent)
     config = load_config(resolve_model(source))
     check_heads(config, layout.context_parallel)
-    check_model(config, layout.tensor_parallel)
-    if layout.tensor_parallel > 1 and flags["quantize"] is not None:
-        raise LitftError("--quantize with --tensor_parallel is not supported: 4-bit weights cannot be split as DTensors; drop one of them")
+    check_model(config, layout.tensor_parallel, flags["quantize"])
     if flags["attention"] is not None:
         config._attn_implementation = flags["attention"]
     frozen_dtype = strategy.frozen_base_dtype(precision)

@@ -139,10 +139,14 @@ class TrainingStrategy:
         Non-finite norms are not checked here: that check reads the norm back from the
         device every step; the logged norm shows them.
         """
-        norm = self.fabric.clip_gradients(module, optimizer, max_norm=max_norm, error_if_nonfinite=False) if max_norm else None
+        norm = self.clip_gradients(module, optimizer, max_norm) if max_norm else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def clip_gradients(self, module, optimizer, max_norm: float):
+        """Clip to ``max_norm``; the global norm before clipping."""
+        return self.fabric.clip_gradients(module, optimizer, max_norm=max_norm, error_if_nonfinite=False)
 
     def state_bytes(self, lm, optimizer) -> Dict[str, int]:
         """Bytes of parameters, gradients and optimizer states this rank holds (measure before zero_grad)."""

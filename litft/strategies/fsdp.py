@@ -24,7 +24,7 @@ from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
 from litft.strategies.base import Fill, TrainingStrategy
-from litft.tensor_parallel import clip_gradients, parallelize_block, split_over_tensor_parallel
+from litft.tensor_parallel import clip_by_global_norm, parallelize_block, split_over_tensor_parallel
 from litft.weights import transformer_blocks
 
 
@@ -129,8 +129,9 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
     def _shard(self, module, mesh):
         # FSDP2 shards over a 1-D mesh and does HSDP (replicate x shard) over a 2-D one.
         tensor = self.layout.tensor_parallel > 1
+        data = mesh["replicate", "shard"] if tensor else mesh
         options = {
-            "mesh": mesh["shard"] if mesh.shape[0] == 1 else mesh["replicate", "shard"] if tensor else mesh,
+            "mesh": data["shard"] if data.shape[0] == 1 else data,
             "reshard_after_forward": self.layout.fsdp.sharding_strategy != "SHARD_GRAD_OP",
         }
         if self.mixed:
@@ -201,13 +202,10 @@ class FSDP(TrainingStrategy):
         made = lm.configure_optimizers()
         return module, fabric.setup_optimizers(made["optimizer"]), made["lr_scheduler"]
 
-    def optimizer_step(self, module, optimizer, max_norm: Optional[float]):
-        if self.layout.tensor_parallel == 1 or not max_norm:
-            return super().optimizer_step(module, optimizer, max_norm)
-        norm = clip_gradients([p for p in module.parameters() if p.requires_grad], max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return norm
+    def clip_gradients(self, module, optimizer, max_norm: float):
+        if self.layout.tensor_parallel == 1:
+            return super().clip_gradients(module, optimizer, max_norm)
+        return clip_by_global_norm([p for p in module.parameters() if p.requires_grad], max_norm)  # DTensors on two meshes
 
     def replicas_in_step(self, lm) -> Optional[float]:
         """The largest difference of shard checksums between replica groups (0.0 when the replicas are equal).
