@@ -118,11 +118,12 @@ def command() -> None:
     At exit Python collects every tracked object (torch's, transformers' and the run's): about
     two seconds of every process, each rank of a run included. Frozen first, they are left to
     the operating system; atexit handlers (trackers' final uploads) and flushes still run.
+    Only after a run that ended well: a rank 0 that fails posts its message on the process
+    group's store, which it hosts, and a quick exit can take the store down before the other
+    ranks have read it (seen once in CI-like runs of test_bad_data_stops_every_rank_with_one_line).
     """
-    try:
-        main()
-    finally:
-        gc.freeze()
+    main()
+    gc.freeze()
 
 
 if __name__ == "__main__":
