@@ -108,7 +108,10 @@ def main(argv=None) -> None:
         argv = default_data_named(argv)
         CLI(parser_jobs(), args=argv, as_positional=True, parser_class=OneLineErrors, prog="litft")
     except LitftError as err:
-        print(f"litft: error: {err}", file=sys.stderr)
+        # One write, line and newline together: every rank says it on a shared stderr, and print's two writes
+        # (text, then newline) from two processes could land as "error...error...\n\n", one line for two.
+        sys.stderr.write(f"litft: error: {err}\n")
+        sys.stderr.flush()
         sys.exit(2)
 
 
@@ -118,9 +121,7 @@ def command() -> None:
     At exit Python collects every tracked object (torch's, transformers' and the run's): about
     two seconds of every process, each rank of a run included. Frozen first, they are left to
     the operating system; atexit handlers (trackers' final uploads) and flushes still run.
-    Only after a run that ended well: a rank 0 that fails posts its message on the process
-    group's store, which it hosts, and a quick exit can take the store down before the other
-    ranks have read it (seen once in CI-like runs of test_bad_data_stops_every_rank_with_one_line).
+    Only after a run that ended well: a failing process leaves as it always did.
     """
     main()
     gc.freeze()
