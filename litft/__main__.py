@@ -1,22 +1,15 @@
 """``litft <command> ...``: each subcommand is a function; its signature is the CLI and the YAML schema.
 
-The program quiets two libraries before importing the rest: bitsandbytes, imported
-by peft, logs advice to install an optional kernel package (which fetches kernels
-from the hub) on every process of every run, and liger-kernel warns about other
-vendors' backends it cannot import; both happen during imports.
+Two libraries' import-time chatter is quieted in the package's ``__init__``, so that
+every entry point (this one, the matrix workers, a user's own script) is quiet.
 """
 
 import difflib
 import gc
 import inspect
-import logging
 import re
 import sys
 from typing import List, Optional
-
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-# liger-kernel tries every vendor's backend of each op and warns about those this machine has no use for.
-logging.getLogger("liger_kernel.backends.registry").addFilter(lambda record: "could not be imported" not in record.getMessage())
 
 from jsonargparse import CLI, ArgumentParser, set_parsing_settings  # noqa: E402
 

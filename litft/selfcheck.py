@@ -228,14 +228,15 @@ def run_matrix(cases: List[Case], root: Path, accelerator: str = "cpu", world: i
     """Every case, one-device ones in one process, the others in ``world`` processes started once; a result per case, in order."""
     root.mkdir(parents=True, exist_ok=True)
     results: Dict[str, dict] = {}
-    for group, size in (([c for c in cases if not c.distributed], 1), ([c for c in cases if c.distributed], world)):
+    for label, group, size in (("one", [c for c in cases if not c.distributed], 1), ("many", [c for c in cases if c.distributed], world)):
         if not group:
             continue
-        plan = root / f"plan-{size}.json"
+        # Named by group, not size: with one GPU both groups run in one process and must not share a results file.
+        plan = root / f"plan-{label}.json"
         for stale in root.glob("port-*"):
             stale.unlink()
         plan.write_text(json.dumps({"cases": [asdict(c) for c in group], "accelerator": accelerator, "world": world, "root": str(root)}))
-        records = root / f"results-{size}.jsonl"
+        records = root / f"results-{label}.jsonl"
         records.unlink(missing_ok=True)
         base = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -245,7 +246,7 @@ def run_matrix(cases: List[Case], root: Path, accelerator: str = "cpu", world: i
             rank_env = dict(base)
             if size > 1:
                 rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1")
-            log = open(root / f"worker-{size}-{rank}.log", "w")
+            log = open(root / f"worker-{label}-{rank}.log", "w")
             procs.append((subprocess.Popen([sys.executable, "-m", "litft.selfcheck", str(plan), str(records), str(rank)],
                                            env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
         deadline = time.monotonic() + timeout
@@ -261,7 +262,7 @@ def run_matrix(cases: List[Case], root: Path, accelerator: str = "cpu", world: i
         _report(records, results, seen, say)
         for case in group:
             if case.name not in results:
-                tail = (root / f"worker-{size}-0.log").read_text()[-1500:]
+                tail = (root / f"worker-{label}-0.log").read_text()[-1500:]
                 results[case.name] = {"case": case.name, "passed": False, "problems": [f"no result (the workers ended or timed out): ...{tail}"]}
     return [results[c.name] for c in cases]
 
