@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -74,11 +75,20 @@ class VarlenKernel:
         default_scale = scaling is None or abs(scaling - head_dim**-0.5) < 1e-12
         return self.causal and device_type == self.device_type and dtype in self.dtypes and ("scale" in self.parameters or default_scale)
 
-    def __call__(self, query, key, value, cu, longest: int, scaling: Optional[float]):
-        """Causal attention over flattened tokens (T, H, D) split into samples by ``cu``; K and V repeated where GQA is not taken."""
+    @property
+    def takes_window(self) -> bool:
+        return "window_size" in self.parameters
+
+    def __call__(self, query, key, value, cu, longest: int, scaling: Optional[float], window: Optional[int] = None):
+        """Causal attention over flattened tokens (T, H, D) split into samples by ``cu``; K and V repeated where GQA is not taken.
+
+        ``window``: each query sees itself and the ``window - 1`` tokens before it (transformers' sliding window).
+        """
         kwargs = {}
-        if "window_size" in self.parameters:
-            kwargs["window_size"] = (-1, 0)
+        if self.takes_window:
+            kwargs["window_size"] = (-1 if window is None else window - 1, 0)
+        elif window is not None:
+            raise ValueError("this varlen kernel has no window_size")
         else:
             kwargs["is_causal"] = True
         if "scale" in self.parameters:
@@ -170,15 +180,75 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
     return _attend_in_samples(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
 
+def model_eager_attention(module) -> Callable:
+    """The eager attention function of the module's own modeling file: the reference for what SDPA and the kernels lack."""
+    function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if function is None:
+        raise LitftError(
+            f"{type(module).__name__} asks for attention logit softcapping or sinks, and its modeling file has no eager_attention_forward "
+            "for litft to compute them with; use --attn_implementation eager"
+        )
+    return function
+
+
+def _beyond_sdpa(module, kwargs) -> bool:
+    """Whether this layer's attention needs more than a causal (windowed) softmax: logit softcapping or attention sinks."""
+    return kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or isinstance(getattr(module, "sinks", None), torch.Tensor)
+
+
+def _eager_in_samples(module, query, key, value, cu, bounds, longest: int, window: Optional[int], dropout: float, scaling, kwargs):
+    """The model's own eager attention, inside each sample, with a causal (windowed) mask: exact for whatever it computes."""
+    eager = model_eager_attention(module)
+    batch, heads, width, dim = query.shape
+    tokens = batch * width
+    flat = [t.transpose(0, 1).reshape(t.shape[1], tokens, dim) for t in (query, key, value)]  # heads, tokens, dim
+    out = query.new_zeros(tokens, heads, dim)
+
+    def mask(length: int) -> torch.Tensor:
+        place = torch.arange(length, device=query.device)
+        seen = place[None, :] <= place[:, None]
+        if window is not None:
+            seen &= place[None, :] > place[:, None] - window
+        return torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(~seen, torch.finfo(query.dtype).min)[None, None]
+
+    for start, end in zip(bounds, bounds[1:]):
+        q, k, v = (t[None, :, start:end] for t in flat)
+        out[start:end] = eager(module, q, k, v, mask(end - start), dropout=dropout, scaling=scaling, **kwargs)[0][0]
+    return out.reshape(batch, width, heads, dim), None
+
+
+def _eager_with_mask(module, query, key, value, attention_mask, dropout: float, scaling, kwargs):
+    """The model's eager attention under transformers' own (boolean SDPA) mask: generation of padded prompts, a KV cache."""
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    elif attention_mask is None:  # no mask given: causal, aligned to the end for a cache
+        q_len, k_len = query.shape[2], key.shape[2]
+        seen = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+        window = kwargs.get("sliding_window")
+        if window is not None:
+            seen &= ~torch.ones_like(seen).tril(k_len - q_len - window)
+        attention_mask = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(~seen, torch.finfo(query.dtype).min)[None, None]
+    return model_eager_attention(module)(module, query, key, value, attention_mask, dropout=dropout if module.training else 0.0,
+                                         scaling=scaling, **kwargs)
+
+
 def _attend_in_samples(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
+    window = kwargs.get("sliding_window")
+    beyond = _beyond_sdpa(module, kwargs)
     if attention_mask is not None or query.shape[2] != key.shape[2]:
+        if beyond or (attention_mask is None and window is not None):
+            return _eager_with_mask(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     cu = kwargs.get("cu_seq_lens_q")
+    bounds = kwargs.get("litft_bounds")
     if cu is None:
         position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
-        cu = cumulative_lengths(position_ids.expand(query.shape[0], -1).cpu())["cu_seq_lens_q"]  # transformers' default ids are (1, S)
+        if position_ids is None:  # every row one sample
+            bounds = tuple(range(0, query.shape[0] * query.shape[2] + 1, query.shape[2]))
+            cu = torch.tensor(bounds, dtype=torch.int32)
+        else:
+            cu = cumulative_lengths(position_ids.expand(query.shape[0], -1).cpu())["cu_seq_lens_q"]  # transformers' default ids are (1, S)
     received = query.dtype
     dtype = compute_dtype_of(query, key, value)
     # One dtype for all three: under autocast q and k come out of rotary in fp32 while v is already low precision.
@@ -188,13 +258,24 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
     batch, heads, width, dim = query.shape
     # Collate computed the longest sample on the host; reading it here would stall the GPU once per layer.
     longest = kwargs.get("max_length_q") or int(torch.diff(cu).max())
+    if window is not None and window >= longest:
+        window = None  # no sample is longer than the window: plain causal attention is the same
+    if beyond:
+        # Softcapping or sinks: no fused kernel here computes them, so the model's own definition runs, a sample at a time.
+        RECORD.note("eager", received, dtype)
+        return _eager_in_samples(module, query, key, value, cu, bounds or tuple(cu.tolist()), longest, window, dropout, scaling, kwargs)
     kernel = VARLEN
-    if kernel is not None and dropout == 0.0 and kernel.runs(query.device.type, dtype, scaling, dim):
+    if (kernel is not None and dropout == 0.0 and kernel.runs(query.device.type, dtype, scaling, dim)
+            and (window is None or kernel.takes_window)):
         # Every sample of the batch in one call: tokens flattened, samples found by their cumulative lengths.
         RECORD.note("varlen", received, dtype)
         flat = lambda t: t.transpose(1, 2).reshape(batch * width, t.shape[1], dim)  # noqa: E731
-        out = kernel(flat(query), flat(key), flat(value), cu.to(query.device, torch.int32), longest, scaling)
+        out = kernel(flat(query), flat(key), flat(value), cu.to(query.device, torch.int32), longest, scaling, window)
         return out.reshape(batch, width, heads, dim), None
+    if window is not None:
+        # A window SDPA cannot take without a dense mask: the model's eager attention inside each sample.
+        RECORD.note("eager", received, dtype)
+        return _eager_in_samples(module, query, key, value, cu, bounds or tuple(cu.tolist()), longest, window, dropout, scaling, kwargs)
     RECORD.note("sdpa", received, dtype)
     cu = cu.to(query.device, torch.long)
     lengths = torch.diff(cu)
@@ -216,7 +297,7 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
         out = torch.where(inside[:, None, None], picked, 0).permute(1, 0, 2)
     else:
         # Lengths far apart: padding them to the longest would cost more than a call per sample.
-        bounds = kwargs.get("litft_bounds") or cu.tolist()
+        bounds = bounds or cu.tolist()
         q, k, v = (t.transpose(0, 1).reshape(t.shape[1], 1, tokens, dim) for t in (query, key, value))  # heads, 1, tokens, dim
         out = query.new_zeros(heads, 1, tokens, dim)
         for start, end in zip(bounds, bounds[1:]):

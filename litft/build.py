@@ -21,7 +21,9 @@ from litft.lora import apply_lora, quantization_config
 from litft.loss import fuse_target_loss
 from litft.model import CausalLM, keep_4bit_training_layout, load_causal_lm, load_config
 from litft.strategies.base import Fill, TrainingStrategy
-from litft.weights import AdapterInit, CheckpointWeights, Materializer, locate_checkpoint, skeleton, transformer_blocks
+from litft.weights import (
+    AdapterInit, CheckpointWeights, Materializer, checkpoint_in_model_layout, locate_checkpoint, skeleton, transformer_blocks,
+)
 
 
 def build_model(
@@ -112,6 +114,6 @@ def build_module(
             block.compile()
     if loads_4bit:
         return lm, AdapterInit(Materializer(lm.model, lm.hf_model, None, seed)), True
-    weights = None if random_init else CheckpointWeights(locate_checkpoint(source))
+    weights = None if random_init else CheckpointWeights(checkpoint_in_model_layout(locate_checkpoint(source), lm.hf_model.config))
     return lm, strategy.filler(lm, weights, seed), False
 

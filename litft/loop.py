@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from litft.errors import LitftError
 from litft.evaluation import score, validate
 from litft.model import target_tokens
 
@@ -29,6 +30,8 @@ class LoopState:
     samples: int = 0
     history: List[Dict[str, float]] = field(default_factory=list)
     stopped_by: Optional[str] = None  # what ended the run early (a signal, --train.stop_after_steps), if anything did
+    # The first step whose loss was not finite (inf where none was), kept on the device: read only where the loop syncs anyway.
+    first_nonfinite: Optional[torch.Tensor] = None
 
     POSITION = ("step", "epoch", "epoch_step", "tokens", "samples")
 
@@ -63,10 +66,14 @@ def fit(trainer) -> LoopState:
         if batch is None:  # a stop was asked for on some rank: every rank ends after the same step
             break
         train_step(trainer, batch)
-        if cadence.validate_now(state.step):
+        validating, saving = cadence.validate_now(state.step), cadence.save_now(state.step)
+        if validating or saving or state.step % trainer.spec.train.log_interval == 0:
+            stop_if_not_finite(trainer)
+        if validating:
             validate_and_log(trainer, scoring=False)
-        if cadence.save_now(state.step):
+        if saving:
             save(trainer)
+    stop_if_not_finite(trainer)
     if trainer.checkpointer.last_saved != state.step and not (state.stopped_by and state.step == trainer.start_step):
         save(trainer)
     if trainer.spec.eval.final_validation and not state.stopped_by:
@@ -116,6 +123,9 @@ def train_step(trainer, batch: StepBatch) -> None:
             loss = module.training_step(micro)
             fabric.backward(loss * scale)
         loss_sum += loss.detach().double()
+    if state.first_nonfinite is None:
+        state.first_nonfinite = torch.full((), math.inf, dtype=torch.float64, device=loss_sum.device)
+    state.first_nonfinite = torch.where(torch.isfinite(loss_sum), state.first_nonfinite, state.first_nonfinite.clamp(max=state.step + 1))
     lr = optimizer.param_groups[0]["lr"]
     trainer.meter.before_optimizer_step(state.step, module, optimizer)
     grad_norm = trainer.strategy.optimizer_step(module, optimizer, trainer.spec.train.max_norm)
@@ -126,6 +136,21 @@ def train_step(trainer, batch: StepBatch) -> None:
     metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer)
     state.history.append(metrics)
     trainer.profiler.after(state.step)
+
+
+def stop_if_not_finite(trainer) -> None:
+    """End the run with one line at a loss that is not finite: nothing from that step on is validated, saved or exported."""
+    flag = trainer.state.first_nonfinite
+    if flag is None:
+        return
+    if trainer.fabric.world_size > 1:  # every rank decides alike: the earliest step any rank saw
+        flag = trainer.fabric.all_reduce(flag.clone(), reduce_op=torch.distributed.ReduceOp.MIN)
+    first = float(flag)
+    if math.isfinite(first):
+        raise LitftError(
+            f"the training loss was not finite (nan or inf) at step {int(first)}; the run stops and nothing from that step on is "
+            "saved or exported: lower --train.learning_rate, check the data, or try another --precision"
+        )
 
 
 def validate_and_log(trainer, scoring: bool) -> None:

@@ -11,6 +11,8 @@ linear layer whose logits feed the loss unchanged (no soft-capping or scaling,
 no adapter on it); elsewhere the model's own head and a plain cross-entropy run.
 """
 
+import inspect
+import re
 import types
 from typing import Optional
 
@@ -18,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Config fields of architectures whose logits are changed after the head (Gemma 2/3 soft-capping, Cohere, Granite).
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# Config fields of architectures whose logits are changed after the head (Gemma 2/3 soft-capping, Cohere, Granite, Falcon-H1).
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 CHUNK_LOGIT_BYTES = 256 * 2**20  # fp32 logits of one chunk
 
 
@@ -80,6 +82,27 @@ def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
     return target_loss(hidden, self.weight, self.bias, index, labels)
 
 
+def head_feeds_loss_unchanged(hf_model) -> bool:
+    """Whether the model's forward hands its head's output to the loss as it is, read from the forward's own source.
+
+    Models that scale, cap or multiply logits after the head (Granite, Cohere, Gemma 2/3, Falcon-H1's
+    ``lm_head_multiplier``...) must keep their head: a fused head returns a loss, and whatever the
+    forward does to "logits" afterwards would be done to that loss instead. An assignment to ``logits``
+    that is not a known, switched-off transform (``LOGIT_TRANSFORMS``) keeps the model's own head.
+    """
+    if any(getattr(hf_model.config, key, None) for key in LOGIT_TRANSFORMS):
+        return False
+    try:
+        source = inspect.getsource(type(hf_model).forward)
+    except (OSError, TypeError):
+        return False
+    code = re.sub(r"#.*", "", source)
+    assigned = [m.strip() for m in re.findall(r"^\s*logits\s*[-+*/]?=(?!=)(.*)$", code, re.M) if not m.rstrip().endswith(",")]
+    if not assigned or not re.fullmatch(r"self\.\w+\(hidden_states[^()]*\)", assigned[0]):
+        return False
+    return all(any(key in line for key in LOGIT_TRANSFORMS) or line == "torch.tanh(logits)" for line in assigned[1:])
+
+
 def fuse_target_loss(hf_model) -> bool:
     """Let the model's output head compute the loss of the target tokens itself, where that is exact; whether it does.
 
@@ -87,7 +110,7 @@ def fuse_target_loss(hf_model) -> bool:
     forward as before); only what its forward returns changes, while a step asks for a loss.
     """
     head = hf_model.get_output_embeddings()
-    if type(head) is not nn.Linear or any(getattr(hf_model.config, key, None) for key in LOGIT_TRANSFORMS):
+    if type(head) is not nn.Linear or not head_feeds_loss_unchanged(hf_model):
         return False
     head.loss_targets = None
     head.forward = types.MethodType(_head_forward, head)

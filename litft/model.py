@@ -59,6 +59,21 @@ def load_config(source: str):
         raise _hub_error(source, err) from None
 
 
+# Config fields of layers that carry a state from token to token (Mamba, linear attention, short convolutions).
+RECURRENT_FIELDS = ("mamba_", "ssm_", "linear_num_", "linear_key_head", "conv_L_cache", "layers_block_type")
+
+
+def check_architecture(config) -> None:
+    """One line, before any process starts, for a model litft cannot train as transformers computes it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    recurrent = sorted(key for key in text.to_dict() if key.startswith(RECURRENT_FIELDS))
+    if recurrent:
+        raise LitftError(
+            f"litft cannot train {text.model_type} models yet: their state-space or linear-attention layers ({recurrent[0]}, ...) carry "
+            "state from token to token, which litft's padding-free rows would leak between samples; use transformers' Trainer for it"
+        )
+
+
 def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quantization_config=None, device=None):
     """Weights from ``source``, or a seeded random init of its config for pretraining.
 

@@ -34,7 +34,7 @@ from litft.flops import StepFlops
 from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
-from litft.model import keep_rotary_fp32, load_config, load_tokenizer, resolve_model
+from litft.model import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
 from litft.plot import plot_losses
 from litft.profiling import StepProfiler
 from litft.ranks import on_rank_zero, rank_zero_first
@@ -87,6 +87,7 @@ class Trainer:
         attention = choose_attention(spec.attn_implementation, accelerator, precision, layout.context_parallel)
         if spec.compile and not chosen.compiles:
             raise LitftError(f"--compile true is not supported under {chosen.name}; drop --compile or use --strategy fsdp or ddp")
+        check_architecture(load_config(resolve_model(spec.model)))  # before any process starts
         if layout.context_parallel > 1:
             if spec.compile:
                 raise LitftError("--compile true is not yet supported with --context_parallel (its all-to-all inside each block is untested); drop one of them")

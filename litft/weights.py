@@ -9,8 +9,12 @@ DeepSpeed all start from the same weights, which is what lets the tests compare
 their losses.
 """
 
+import fcntl
+import hashlib
 import json
 import math
+import re
+import shutil
 import zlib
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -27,8 +31,8 @@ PEFT_PREFIX = "base_model.model."
 
 
 def checkpoint_name(name: str) -> str:
-    """The name a tensor has in the base model's checkpoint: peft's wrappers removed."""
-    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+    """The name a tensor has in the base model's checkpoint: peft's wrappers removed (nested ones too: expert adapters)."""
+    return re.sub(r"(\.base_layer)+\.", ".", name.removeprefix(PEFT_PREFIX))
 
 
 def is_lora_tensor(name: str) -> bool:
@@ -86,6 +90,49 @@ def locate_checkpoint(source: str) -> Path:
     except Exception as err:  # noqa: BLE001 - hub errors come in many types; all mean the same to the user
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise LitftError(f"could not fetch the weights of '{source}' ({first}); pass a local Hugging Face model folder") from None
+
+
+def checkpoint_in_model_layout(folder: Path, config) -> Path:
+    """The folder to read a checkpoint's tensors from, one by one, under the model's own tensor names.
+
+    Most checkpoints store the model's names. Some store another layout that
+    transformers converts while loading (per-expert tensors merged into one per
+    layer for Mixtral and the Qwen MoEs, GPT-NeoX's ``embed_out`` renamed): those
+    are loaded once by transformers' own ``from_pretrained``, so every conversion it
+    knows is applied as it applies it, and written in the model's layout to
+    ``$LITFT_HOME/converted``, which every rank and later run then reads.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    wanted = set(model.state_dict())
+    stored = CheckpointWeights(folder)
+    if all(stored.find([name]) is not None for name in wanted):
+        return folder
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    if not get_model_conversion_mapping(model):
+        return folder  # not a layout transformers converts: the fill names the first missing tensor
+    from litft.data.base import litft_home
+
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
+    stamp = hashlib.sha1(json.dumps([str(folder.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]).encode())
+    target = litft_home() / "converted" / stamp.hexdigest()[:16]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process converts; the others of this machine wait and read its result
+        if not (target / "done").is_file():
+            from huggingface_hub import save_torch_state_dict
+
+            loaded = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+            staging = target.with_suffix(".partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
+            save_torch_state_dict(loaded.state_dict(), staging)
+            (staging / "done").write_text(str(folder))
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)  # whole or absent: a crash mid-write leaves only the staging folder
+            del loaded
+    return target
 
 
 def skeleton(config, dtype: torch.dtype) -> nn.Module:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _attend(query, key, value, cu_seq_q, cu_seq_k, causal: bool, scale: Optional[float], enable_gqa: bool):
+def _attend(query, key, value, cu_seq_q, cu_seq_k, causal: bool, scale: Optional[float], enable_gqa: bool, left: int = -1):
     if query.dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
     if not (query.dtype == key.dtype == value.dtype):
@@ -29,7 +29,12 @@ def _attend(query, key, value, cu_seq_q, cu_seq_k, causal: bool, scale: Optional
     bounds = cu_seq_q.tolist()
     for start, end in zip(bounds, bounds[1:]):
         q, k, v = (t[start:end].transpose(0, 1)[None] for t in (query, key, value))
-        out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1)
+        mask = None
+        if left >= 0:  # a sliding window: each query sees itself and the `left` tokens before it
+            place = torch.arange(end - start)
+            mask = (place[None, :] <= place[:, None]) & (place[None, :] >= place[:, None] - left)
+        out[start:end] = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1)
     return out
 
 
@@ -40,7 +45,7 @@ def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_cau
 
 def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
     """torch 2.11 and 2.12: a sliding window ((-1, 0) is causal) and a scale, no GQA."""
-    return _attend(query, key, value, cu_seq_q, cu_seq_k, tuple(window_size) == (-1, 0), scale, False)
+    return _attend(query, key, value, cu_seq_q, cu_seq_k, window_size[1] == 0, scale, False, window_size[0])
 
 
 def varlen_attn_2_13(
@@ -48,7 +53,7 @@ def varlen_attn_2_13(
     seqused_k=None, block_table=None, num_splits=None,
 ):
     """torch 2.13: adds enable_gqa."""
-    return _attend(query, key, value, cu_seq_q, cu_seq_k, tuple(window_size) == (-1, 0), scale, enable_gqa)
+    return _attend(query, key, value, cu_seq_q, cu_seq_k, window_size[1] == 0, scale, enable_gqa, window_size[0])
 
 
 for _kernel in (varlen_attn_2_10, varlen_attn_2_11, varlen_attn_2_13):

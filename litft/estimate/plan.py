@@ -13,7 +13,7 @@ from litft.estimate.inventory import model_tensors
 from litft.estimate.trace import trace_activations
 from litft.logs import quiet_libraries
 from litft.memory import GiB, Row
-from litft.model import load_config, resolve_model
+from litft.model import check_architecture, load_config, resolve_model
 from litft.strategies import checked_strategy_class
 from litft.tensor_parallel import check_model, one_rank_of
 
@@ -73,6 +73,7 @@ def plan_memory(flags: dict) -> dict:
     if source.endswith(".json") and Path(source).is_file():
         source = str(Path(source).parent)
     config = load_config(resolve_model(source))
+    check_architecture(config)
     check_heads(config, layout.context_parallel)
     check_model(config, layout.tensor_parallel, flags["quantize"])
     if flags["attention"] is not None:

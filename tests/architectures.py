@@ -1,0 +1,80 @@
+"""Tiny random models of the causal LM architectures litft is checked against, built with transformers' own config classes.
+
+Each is small enough to run in a unit test and sharp enough (initializer_range 0.2,
+windows shorter than the samples) that dropping a feature of its attention or head
+shows in the loss. The list is the one the conformance test runs and the README's
+table is written from.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+VOCAB = 128
+WINDOW = 6  # shorter than the test's samples, so a dropped window changes the loss
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False)
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A transformers config class and the fields of its tiny model; ``features``: what its attention or head adds."""
+
+    name: str
+    config: str  # the config class's name in transformers
+    fields: Dict = field(default_factory=dict)
+    features: str = ""
+    refused: Optional[str] = None  # a fragment of the one line litft refuses it with
+
+    def build(self):
+        import transformers
+
+        fields = {**COMMON, **self.fields}
+        return getattr(transformers, self.config)(**{k: v for k, v in fields.items() if v is not None})
+
+
+ARCHITECTURES = [
+    Architecture("llama", "LlamaConfig"),
+    Architecture("mistral (window)", "MistralConfig", dict(sliding_window=WINDOW), "sliding window"),
+    Architecture("qwen2 (window)", "Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0), "sliding window"),
+    Architecture("qwen3", "Qwen3Config", dict(head_dim=8)),
+    Architecture("phi3", "Phi3Config", dict(pad_token_id=0)),
+    Architecture("phi", "PhiConfig", dict(num_key_value_heads=None)),
+    Architecture("olmo2", "Olmo2Config"),
+    Architecture("gpt2", "GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, hidden_size=None, intermediate_size=None,
+                                            num_hidden_layers=None, num_attention_heads=None, num_key_value_heads=None,
+                                            max_position_embeddings=None, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
+    Architecture("granite", "GraniteConfig", dict(logits_scaling=4.0, residual_multiplier=0.5, embedding_multiplier=2.0,
+                                                  attention_multiplier=0.3), "logit scaling"),
+    Architecture("cohere", "CohereConfig", dict(logit_scale=0.5), "logit scale"),
+    Architecture("smollm3", "SmolLM3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    Architecture("gemma", "GemmaConfig", dict(head_dim=8)),
+    Architecture("gemma2", "Gemma2Config", dict(head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+                                                query_pre_attn_scalar=8), "sliding window, attention and final softcapping"),
+    Architecture("gemma3", "Gemma3TextConfig", dict(head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8,
+                                                    layer_types=["sliding_attention", "full_attention"]), "sliding window"),
+    Architecture("cohere2", "Cohere2Config", dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), "sliding window"),
+    Architecture("gpt-oss", "GptOssConfig", dict(head_dim=8, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                                                 layer_types=["sliding_attention", "full_attention"]), "sliding window, attention sinks, MoE"),
+    Architecture("mixtral", "MixtralConfig", dict(MOE), "MoE"),
+    Architecture("qwen2-moe", "Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                     shared_expert_intermediate_size=32), "MoE"),
+    Architecture("qwen3-moe", "Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8), "MoE"),
+    Architecture("gpt-neox", "GPTNeoXConfig", dict(num_key_value_heads=None, use_parallel_residual=True)),
+    Architecture("falcon-h1", "FalconH1Config", dict(head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
+                                                     mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8),
+                 "attention + Mamba", refused="state-space or linear-attention layers"),
+]
+
+
+def save_tiny(architecture: Architecture, folder: Path, seed: int = 0) -> Path:
+    """The architecture's tiny model, random at its initializer range, saved as save_pretrained saves it (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(architecture.build(), dtype=torch.float32)
+    model.save_pretrained(folder)
+    return folder

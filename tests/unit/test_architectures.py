@@ -1,0 +1,114 @@
+"""Every architecture litft accepts trains as transformers computes it: loss and gradients against the model's own eager forward.
+
+Each tiny model (tests/architectures.py) is saved as ``save_pretrained`` saves it,
+then built as the jobs build it (meta device, litft's fill from the checkpoint,
+litft_segments attention, the fused head where it is exact) and run on packed
+and on padded batches; the reference is transformers' ``from_pretrained`` with
+eager attention, one sample at a time. Architectures litft does not train are
+refused in one line.
+"""
+
+import pytest
+import torch
+
+from litft import attention
+from litft.attention import SEGMENTS, VarlenKernel
+from litft.config import TrainArgs
+from litft.data.base import collate, pack
+from litft.errors import LitftError
+from litft.loss import fuse_target_loss
+from litft.model import CausalLM, check_architecture, load_config
+from litft.weights import CheckpointWeights, Materializer, checkpoint_in_model_layout, skeleton, transformer_blocks
+from tests.architectures import ARCHITECTURES, VOCAB, save_tiny
+from tests.varlen_standins import STANDINS
+
+LENGTHS = [13, 20, 7, 16]  # longer and shorter than the windows (6)
+TRAINED = [a for a in ARCHITECTURES if a.refused is None]
+
+
+def samples():
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for i, n in enumerate(LENGTHS):
+        ids = torch.randint(0, VOCAB, (n,), generator=generator)
+        out.append({"input_ids": ids, "labels": ids.clone(), "id": torch.tensor(i)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("architectures")
+    return {a.name: save_tiny(a, root / a.name.split()[0]) for a in ARCHITECTURES}
+
+
+def reference(folder):
+    """transformers' own loss (summed over target tokens) and gradients: eager attention, each sample alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").train()
+    total = 0.0
+    for sample in samples():
+        logits = model(sample["input_ids"][None]).logits[0].float()
+        total = total + torch.nn.functional.cross_entropy(logits[:-1], sample["input_ids"][1:], reduction="sum")
+    total.backward()
+    return total.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def as_litft_builds_it(folder, dtype=torch.float32) -> CausalLM:
+    config = load_config(str(folder))
+    check_architecture(config)
+    model = skeleton(config, dtype)
+    model.set_attn_implementation(SEGMENTS)
+    fill = Materializer(model, model, CheckpointWeights(checkpoint_in_model_layout(folder, config)), 0)
+    for block in reversed(transformer_blocks(model)):  # block by block, as FSDP fills
+        fill(block)
+    fill(model)
+    fuse_target_loss(model)
+    return CausalLM(model, TrainArgs()).train()
+
+
+@pytest.fixture(scope="module")
+def references(folders):
+    return {a.name: reference(folders[a.name]) for a in TRAINED}
+
+
+@pytest.mark.parametrize("architecture", TRAINED, ids=[a.name for a in TRAINED])
+def test_loss_and_gradients_equal_transformers_eager(architecture, folders, references):
+    """Packed (padding-free) and padded batches: the summed loss to 1e-5 and every gradient to 1e-4 (relative L2)."""
+    expected, expected_grads = references[architecture.name]
+    for padding_free in (True, False):
+        lm = as_litft_builds_it(folders[architecture.name])
+        batch = collate(pack(samples(), max_length=64), pad_id=0, padding_free=True) if padding_free else collate(samples(), pad_id=0)
+        loss = lm.loss_sum(batch)
+        loss.backward()
+        where = "padding-free" if padding_free else "padded"
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), f"{where}: loss {loss.item()} vs {expected.item()}"
+        grads = {n: p.grad for n, p in lm.hf_model.named_parameters() if p.grad is not None}
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in expected_grads.items():
+            error = (grads[name] - grad).norm() / grad.norm().clamp(min=1e-12)
+            assert error <= 1e-4, f"{where}: gradient of {name} off by {error:.2e}"
+
+
+@pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if a.refused], ids=lambda a: a.name)
+def test_architectures_litft_cannot_train_are_refused_in_one_line(architecture, folders):
+    with pytest.raises(LitftError, match=architecture.refused) as refusal:
+        check_architecture(load_config(str(folders[architecture.name])))
+    assert "\n" not in str(refusal.value)
+
+
+@pytest.mark.parametrize("release", ["2.10", "2.13"])
+def test_windows_softcapping_and_sinks_on_the_gpu_branch(folders, references, release):
+    """The CUDA varlen branch (a stand-in kernel on the CPU) in bf16: a window goes to the kernel where it takes one, softcapping and
+    sinks to the model's own eager attention; the loss stays within bf16's rounding of transformers' fp32 loss."""
+    previous = attention.use_varlen_kernel(VarlenKernel.of(STANDINS[release]))
+    try:
+        for name, paths in (("mistral (window)", {"varlen"} if release == "2.13" else {"eager"}), ("gemma2", {"eager"}), ("gpt-oss", {"eager"})):
+            attention.RECORD.clear()
+            lm = as_litft_builds_it(folders[name], torch.bfloat16)
+            loss = lm.loss_sum(collate(pack(samples(), max_length=64), pad_id=0, padding_free=True))
+            assert attention.RECORD.paths() == paths, (name, attention.RECORD.seen)
+            expected = references[name][0].item()
+            assert abs(loss.item() - expected) <= 2e-2 * expected, (name, loss.item(), expected)
+    finally:
+        attention.use_varlen_kernel(previous)
