@@ -4,6 +4,7 @@ peft is imported where it is used: it imports bitsandbytes and, through it, much
 compiler (seconds on every process start), which a run without LoRA never needs.
 """
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -33,6 +34,25 @@ def peft_config(lora: LoraArgs):
     )
 
 
+def expert_lora_config(config, lora: LoraArgs):
+    """peft's config for a model whose targets include MoE experts' 3-D tensors, resolved once on a meta copy and sorted.
+
+    peft nests one ParamWrapper per expert tensor in the order of ``target_parameters``, and the adapters' names
+    depend on that nesting; resolved from ``all-linear`` it is a set's order, which differs from process to process.
+    Sorted, every rank, every resumed run and the exported adapter's loader nest them alike.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from litft.weights import skeleton
+
+    probe = get_peft_model(skeleton(config, torch.float32), peft_config(dataclasses.replace(lora, dropout=0.0)))
+    resolved = probe.peft_config["default"]
+    return LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=sorted(resolved.target_modules or []),
+        target_parameters=sorted(resolved.target_parameters or []) or None, task_type="CAUSAL_LM", bias="none",
+    )
+
+
 def apply_lora(model, lora: LoraArgs):
     """Freeze the model and add LoRA adapters; only they get gradients and optimizer state."""
     lora.check()
@@ -47,4 +67,16 @@ def apply_lora(model, lora: LoraArgs):
     try:
         return get_peft_model(model, peft_config(lora))
     except ValueError as err:
-        raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
+        if lora.dropout == 0 or "lora_dropout" not in str(err):
+            raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
+    # MoE experts stored as one 3-D tensor per layer take adapters through peft's ParamWrapper, which has no dropout:
+    # adapters are added without it, then every adapter on an ordinary layer gets the dropout back.
+    peft_model = get_peft_model(model, expert_lora_config(model.config, lora))
+    if lora.writes_merged:
+        raise LitftError("--export merged cannot yet fold adapters into MoE experts' 3-D tensors; use --export adapter (peft loads it onto the model)")
+    for module in peft_model.modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        if isinstance(dropouts, torch.nn.ModuleDict) and type(module).__name__ != "ParamWrapper":
+            for name in dropouts:
+                dropouts[name] = torch.nn.Dropout(p=lora.dropout)
+    return peft_model

@@ -12,7 +12,7 @@ from typing import Dict, Optional
 
 import torch
 
-VOCAB = 128
+VOCAB = 326  # litft-tiny's tokenizer, so that the jobs can run these models on its tasks
 WINDOW = 6  # shorter than the test's samples, so a dropped window changes the loss
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False)
@@ -74,7 +74,11 @@ def save_tiny(architecture: Architecture, folder: Path, seed: int = 0) -> Path:
     """The architecture's tiny model, random at its initializer range, saved as save_pretrained saves it (fp32)."""
     from transformers import AutoModelForCausalLM
 
+    from litft.tiny import ensure_tiny_model
+    from litft.model import load_tokenizer
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(architecture.build(), dtype=torch.float32)
     model.save_pretrained(folder)
+    load_tokenizer(str(ensure_tiny_model())).save_pretrained(folder)
     return folder

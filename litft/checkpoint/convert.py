@@ -23,6 +23,8 @@ from safetensors.torch import save_file
 
 from litft.checkpoint.format import RUN_CONFIG, CheckpointMeta, TrainedTensors, dcp_trained_tensors, resolve_resume
 from litft.errors import LitftError
+from litft.config import LoraArgs
+from litft.lora import expert_lora_config
 from litft.model import load_config, load_tokenizer, resolve_model
 from litft.weights import CheckpointWeights, checkpoint_in_model_layout, locate_checkpoint, skeleton, transformer_blocks
 
@@ -284,9 +286,15 @@ def _write_adapter(trained: TrainedTensors, meta: CheckpointMeta, run_config: di
     out_dtype = DTYPES[dtype] if dtype else None
     saved = {ADAPTER_KEY.sub(r".\1.weight", k): (v.to(out_dtype) if out_dtype else v).contiguous() for k, v in tensors.items()}
     targets = sorted({k.removesuffix(".lora_A.default.weight").rsplit(".", 1)[-1] for k in tensors if ".lora_A." in k})
+    experts = None
+    if any(".base_layer.lora_A." in k for k in tensors) or "experts" in targets:  # adapters on MoE experts' tensors (ParamWrapper)
+        resolved = expert_lora_config(load_config(resolve_model(meta.model)), LoraArgs(
+            run_config["lora_r"], run_config["lora_alpha"], 0.0, run_config.get("lora_target_modules", "all-linear")))
+        targets, experts = resolved.target_modules, resolved.target_parameters
     LoraConfig(
-        r=run_config["lora_r"], lora_alpha=run_config["lora_alpha"], lora_dropout=run_config["lora_dropout"],
-        target_modules=targets, task_type="CAUSAL_LM", bias="none", base_model_name_or_path=meta.model,
+        # peft refuses to load expert adapters with a dropout (it only matters in training)
+        r=run_config["lora_r"], lora_alpha=run_config["lora_alpha"], lora_dropout=0.0 if experts else run_config["lora_dropout"],
+        target_modules=sorted(targets), target_parameters=experts, task_type="CAUSAL_LM", bias="none", base_model_name_or_path=meta.model,
     ).save_pretrained(str(staging))
     save_file(saved, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
     load_tokenizer(resolve_model(run_config.get("tokenizer") or meta.model)).save_pretrained(staging)

@@ -8,6 +8,8 @@ eager attention, one sample at a time. Architectures litft does not train are
 refused in one line.
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -112,3 +114,61 @@ def test_windows_softcapping_and_sinks_on_the_gpu_branch(folders, references, re
             assert abs(loss.item() - expected) <= 2e-2 * expected, (name, loss.item(), expected)
     finally:
         attention.use_varlen_kernel(previous)
+
+
+def logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+JOB_CASES = [("finetune_full", "mistral (window)"), ("finetune_full", "qwen3-moe"), ("finetune_full", "gpt-neox"),
+             ("finetune_lora", "gemma2"), ("finetune_lora", "qwen3-moe"), ("finetune_lora", "gpt-oss")]
+
+
+@pytest.mark.parametrize("job, name", JOB_CASES, ids=[f"{j}-{n.split()[0]}" for j, n in JOB_CASES])
+def test_jobs_train_and_export_what_transformers_loads(job, name, folders, tmp_path):
+    """The job at its default flags (LoRA's dropout and targets included) trains, and what it exports loads in transformers
+    (peft for an adapter) with the trained model's logits; a full run's export loads in litft again, at the same loss."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from litft.config import EvalArgs, TrainArgs
+    from litft.data import TinyTasks
+    from litft.jobs import JOBS
+
+    flags = dict(data=TinyTasks(num_train=32, num_val=8), train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=2, save_interval=None),
+                 eval=EvalArgs(interval=10**6, initial_validation=False), accelerator="cpu", logger_name="csv")
+    result = JOBS[job](str(folders[name]), out_dir=tmp_path / "run", **flags)
+    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
+    base = AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32)
+    exported = PeftModel.from_pretrained(base, result.final_dir) if job == "finetune_lora" else AutoModelForCausalLM.from_pretrained(result.final_dir)
+    torch.testing.assert_close(logits(exported, ids), logits(result.model, ids), rtol=1e-4, atol=1e-5)
+    if job == "finetune_full":  # litft reads its own export: the first validation equals the last of the run
+        again = JOBS[job](str(result.final_dir), out_dir=tmp_path / "again", **dict(
+            flags, train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=1, save_interval=None),
+            eval=EvalArgs(interval=10**6, initial_validation=True, final_validation=False)))
+        last = [h["val_loss"] for h in result.history if "val_loss" in h][-1]
+        first = [h["val_loss"] for h in again.history if "val_loss" in h][0]
+        assert abs(first - last) <= 1e-5 * abs(last)
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_before_anything_is_saved(folders, tmp_path):
+    """A model whose loss is NaN from the first step: one line naming the step, no checkpoint, no export, and the job fails."""
+    from safetensors.torch import load_file, save_file
+
+    from litft.config import EvalArgs, TrainArgs
+    from litft.data import TinyTasks
+    from litft.jobs import finetune_full
+
+    broken = tmp_path / "broken"
+    shutil.copytree(folders["llama"], broken)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LitftError, match="not finite .* at step 1;") as stop:
+        finetune_full(str(broken), out_dir=tmp_path / "run", data=TinyTasks(num_train=32, num_val=8), accelerator="cpu", logger_name="csv",
+                      train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=3, save_interval=1), eval=EvalArgs(initial_validation=False))
+    assert "\n" not in str(stop.value)
+    assert not (tmp_path / "run" / "final").exists()
+    assert not list((tmp_path / "run").glob("checkpoints/step-*"))
