@@ -196,24 +196,32 @@ def _beyond_sdpa(module, kwargs) -> bool:
     return kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or isinstance(getattr(module, "sinks", None), torch.Tensor)
 
 
-def _eager_in_samples(module, query, key, value, cu, bounds, longest: int, window: Optional[int], dropout: float, scaling, kwargs):
-    """The model's own eager attention, inside each sample, with a causal (windowed) mask: exact for whatever it computes."""
-    eager = model_eager_attention(module)
+def _masked_in_samples(module, query, key, value, cu, bounds, longest: int, window: Optional[int], dropout: float, scaling, kwargs):
+    """Attention inside each sample under a causal, windowed mask: SDPA where the softmax is plain, else the model's own eager
+    attention (softcapping, sinks), which is exact for whatever it computes."""
+    beyond = _beyond_sdpa(module, kwargs)
+    eager = model_eager_attention(module) if beyond else None
     batch, heads, width, dim = query.shape
     tokens = batch * width
     flat = [t.transpose(0, 1).reshape(t.shape[1], tokens, dim) for t in (query, key, value)]  # heads, tokens, dim
     out = query.new_zeros(tokens, heads, dim)
 
-    def mask(length: int) -> torch.Tensor:
+    def seen(length: int) -> torch.Tensor:
         place = torch.arange(length, device=query.device)
-        seen = place[None, :] <= place[:, None]
+        allowed = place[None, :] <= place[:, None]
         if window is not None:
-            seen &= place[None, :] > place[:, None] - window
-        return torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(~seen, torch.finfo(query.dtype).min)[None, None]
+            allowed &= place[None, :] > place[:, None] - window
+        return allowed
 
     for start, end in zip(bounds, bounds[1:]):
         q, k, v = (t[None, :, start:end] for t in flat)
-        out[start:end] = eager(module, q, k, v, mask(end - start), dropout=dropout, scaling=scaling, **kwargs)[0][0]
+        allowed = seen(end - start)
+        if eager is None:
+            out[start:end] = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1)
+        else:
+            additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(~allowed, torch.finfo(query.dtype).min)
+            out[start:end] = eager(module, q, k, v, additive[None, None], dropout=dropout, scaling=scaling, **kwargs)[0][0]
     return out.reshape(batch, width, heads, dim), None
 
 
@@ -263,7 +271,7 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
     if beyond:
         # Softcapping or sinks: no fused kernel here computes them, so the model's own definition runs, a sample at a time.
         RECORD.note("eager", received, dtype)
-        return _eager_in_samples(module, query, key, value, cu, bounds or tuple(cu.tolist()), longest, window, dropout, scaling, kwargs)
+        return _masked_in_samples(module, query, key, value, cu, bounds or tuple(cu.tolist()), longest, window, dropout, scaling, kwargs)
     kernel = VARLEN
     if (kernel is not None and dropout == 0.0 and kernel.runs(query.device.type, dtype, scaling, dim)
             and (window is None or kernel.takes_window)):
@@ -273,9 +281,9 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
         out = kernel(flat(query), flat(key), flat(value), cu.to(query.device, torch.int32), longest, scaling, window)
         return out.reshape(batch, width, heads, dim), None
     if window is not None:
-        # A window SDPA cannot take without a dense mask: the model's eager attention inside each sample.
-        RECORD.note("eager", received, dtype)
-        return _eager_in_samples(module, query, key, value, cu, bounds or tuple(cu.tolist()), longest, window, dropout, scaling, kwargs)
+        # A window the kernel cannot take: SDPA with a windowed mask, a sample at a time.
+        RECORD.note("windowed sdpa", received, dtype)
+        return _masked_in_samples(module, query, key, value, cu, bounds or tuple(cu.tolist()), longest, window, dropout, scaling, kwargs)
     RECORD.note("sdpa", received, dtype)
     cu = cu.to(query.device, torch.long)
     lengths = torch.diff(cu)

@@ -68,6 +68,13 @@ def check_heads(config, size: int) -> None:
             f"--context_parallel {size} must divide the model's {heads} attention heads (each rank attends with heads / N of them); "
             f"choose a divisor of {heads}"
         )
+    if size > 1:
+        from litft.weights import per_head_tensors, skeleton
+
+        per_head = per_head_tensors(skeleton(config, torch.float32))
+        if per_head:
+            raise LitftError(f"--context_parallel deals attention heads out over the group, and {text.model_type}'s per-head "
+                             f"{per_head[0]} is not dealt with them yet; drop --context_parallel")
 
 
 def join_context_groups(split: ContextSplit, world_size: int) -> None:

@@ -47,6 +47,40 @@ def check_model(config, size: int, quantize: Optional[str] = None) -> None:
             raise LitftError(f"--tensor_parallel needs a model with {what} in its config ({type(text).__name__} has none); drop --tensor_parallel")
         if count % size:
             raise LitftError(f"--tensor_parallel {size} must divide the model's {count} {what}; choose a divisor of {count}")
+    from litft.weights import per_head_tensors, skeleton, transformer_blocks
+
+    model = skeleton(config, torch.float32)
+    if not split_layers(transformer_blocks(model)[0]):
+        raise LitftError(f"--tensor_parallel found none of {', '.join(COLUMN + ROW)} in {text.model_type}'s blocks; this model's layers are "
+                         "not named as Llama-style models name them, drop --tensor_parallel")
+    unsplit = unmatched_splits(transformer_blocks(model)[0])
+    if unsplit:
+        raise LitftError(
+            f"--tensor_parallel splits Llama-style q/k/v/o_proj and gate/up/down_proj in pairs, and {text.model_type} has {unsplit} without "
+            "its partner (fused or otherwise named projections); drop --tensor_parallel"
+        )
+    if per_head_tensors(model):
+        raise LitftError(f"--tensor_parallel splits attention heads, and {text.model_type}'s per-head {per_head_tensors(model)[0]} "
+                         "is not split with them yet; drop --tensor_parallel")
+
+
+# Layers split together: a row-split layer reads what its column-split partners wrote, one slice per rank.
+PARTNERS = {"o_proj": ("q_proj", "k_proj", "v_proj"), "down_proj": ("up_proj",)}
+
+
+def unmatched_splits(block: torch.nn.Module) -> Optional[str]:
+    """The first split layer whose partner is missing from its module: a row split would read a whole input as its slice."""
+    found = split_layers(block)
+    parents: Dict[str, set] = {}
+    for name in found:
+        parent, _, leaf = name.rpartition(".")
+        parents.setdefault(parent, set()).add(leaf)
+    for parent, leaves in parents.items():
+        for row, columns in PARTNERS.items():
+            if (row in leaves) != all(c in leaves for c in columns) or ("gate_proj" in leaves and row == "down_proj" and row not in leaves):
+                missing = row if row not in leaves else next(c for c in columns if c not in leaves)
+                return f"{parent}.{sorted(leaves)[0]} but no {missing}"
+    return None
 
 
 def one_rank_of(config, size: int):

@@ -135,6 +135,11 @@ def checkpoint_in_model_layout(folder: Path, config) -> Path:
     return target
 
 
+def per_head_tensors(model: nn.Module) -> List[str]:
+    """Attention parameters with one value per head outside q/k/v (gpt-oss's sinks): splitting heads over ranks must split them too."""
+    return [name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"]
+
+
 def skeleton(config, dtype: torch.dtype) -> nn.Module:
     """The model's structure with every parameter and buffer on the meta device."""
     with torch.device("meta"):

@@ -1,5 +1,6 @@
 """The all-to-all around attention, alone: 4 gloo ranks in groups of 2 and of 4 attend their slices of whole rows and get
-the outputs and gradients that attention over the whole rows gives, K/V heads shared evenly (N=2) or copied (N=4, 2 K/V heads)."""
+the outputs and gradients that attention over the whole rows gives, K/V heads shared evenly (N=2) or copied (N=4, 2 K/V heads),
+with and without a sliding window."""
 
 import types
 
@@ -9,6 +10,7 @@ import torch.multiprocessing as mp
 
 WORLD, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
 LENGTHS = (5, 11)  # two samples in one row of 16 tokens, the second crossing every slice edge
+WINDOW = 4  # a sliding window shorter than the second sample (Mistral, Gemma): it must survive the exchange
 
 
 def whole_rows_and_slices(rank: int, store_path: str) -> None:
@@ -25,18 +27,18 @@ def whole_rows_and_slices(rank: int, store_path: str) -> None:
     k, v = (torch.randn(1, KV_HEADS, width, DIM, generator=generator) for _ in range(2))
     weight = torch.randn(1, width, HEADS, DIM, generator=generator)
     module = types.SimpleNamespace(training=False)
-    whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = _attend_in_samples(module, *whole, None, **varlen)[0]
-    (expected * weight).sum().backward()
-    for size in (2, 4):
+    for window, size in ((None, 2), (None, 4), (WINDOW, 2)):
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        expected = _attend_in_samples(module, *whole, None, **varlen, sliding_window=window)[0]
+        (expected * weight).sum().backward()
         split = context_parallel.ContextSplit.of(rank, WORLD, size)
         context_parallel.join_context_groups(split, WORLD)
         part = width // size
         mine = slice(split.place * part, (split.place + 1) * part)
         sliced = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-        got = segments_attention(module, *sliced, None, **varlen, **{context_parallel.MARK: size})[0]
+        got = segments_attention(module, *sliced, None, **varlen, sliding_window=window, **{context_parallel.MARK: size})[0]
         (got * weight[:, mine]).sum().backward()
-        torch.testing.assert_close(got, expected[:, mine], rtol=1e-5, atol=1e-6, msg=f"output, group of {size}")
+        torch.testing.assert_close(got, expected[:, mine], rtol=1e-5, atol=1e-6, msg=f"output, group of {size}, window {window}")
         for name, ours, reference in zip("qkv", sliced, whole):
             torch.testing.assert_close(ours.grad, reference.grad[:, :, mine], rtol=1e-5, atol=1e-6, msg=f"d{name}, group of {size}")
     dist.destroy_process_group()

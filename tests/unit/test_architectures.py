@@ -105,7 +105,7 @@ def test_windows_softcapping_and_sinks_on_the_gpu_branch(folders, references, re
     sinks to the model's own eager attention; the loss stays within bf16's rounding of transformers' fp32 loss."""
     previous = attention.use_varlen_kernel(VarlenKernel.of(STANDINS[release]))
     try:
-        for name, paths in (("mistral (window)", {"varlen"} if release == "2.13" else {"eager"}), ("gemma2", {"eager"}), ("gpt-oss", {"eager"})):
+        for name, paths in (("mistral (window)", {"varlen"} if release == "2.13" else {"windowed sdpa"}), ("gemma2", {"eager"}), ("gpt-oss", {"eager"})):
             attention.RECORD.clear()
             lm = as_litft_builds_it(folders[name], torch.bfloat16)
             loss = lm.loss_sum(collate(pack(samples(), max_length=64), pad_id=0, padding_free=True))
@@ -172,3 +172,22 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_anything_is_saved(folder
     assert "\n" not in str(stop.value)
     assert not (tmp_path / "run" / "final").exists()
     assert not list((tmp_path / "run").glob("checkpoints/step-*"))
+
+
+def test_context_and_tensor_parallel_refuse_what_they_cannot_split(folders):
+    """Before any process starts: per-head sinks (gpt-oss) under CP and TP; fused or otherwise named projections under TP."""
+    from litft.context_parallel import check_heads
+    from litft.tensor_parallel import check_model
+
+    config = lambda name: load_config(str(folders[name]))  # noqa: E731
+    for name in ("llama", "mistral (window)", "gemma2", "qwen3-moe"):
+        check_heads(config(name), 2)
+        check_model(config(name), 2)
+    with pytest.raises(LitftError, match="--context_parallel deals attention heads .*sinks"):
+        check_heads(config("gpt-oss"), 2)
+    with pytest.raises(LitftError, match="--tensor_parallel splits attention heads, and gpt_oss's per-head .*sinks"):
+        check_model(config("gpt-oss"), 2)
+    with pytest.raises(LitftError, match="phi3 has self_attn.o_proj but no q_proj"):
+        check_model(config("phi3"), 2)
+    with pytest.raises(LitftError, match="found none of .* in gpt_neox's blocks"):
+        check_model(config("gpt-neox"), 2)
