@@ -67,6 +67,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     gated: bool
+    router: int = 0  # a MoE router's outputs (its experts); the MLP's width is then that of the top-k experts a token runs
 
     def linears(self) -> Dict[str, Tuple[int, int]]:
         """(in, out) features of every linear layer of one block, by the module names llama-style models use."""
@@ -81,6 +82,8 @@ class ModelShape:
         }
         if self.gated:
             shapes["gate_proj"] = (self.hidden, self.intermediate)
+        if self.router:
+            shapes["router"] = (self.hidden, self.router)
         return shapes
 
 
@@ -97,8 +100,6 @@ def model_shape(config, gated: Optional[bool] = None) -> ModelShape:
     """
     if not isinstance(config, dict) and hasattr(config, "get_text_config"):
         config = config.get_text_config()  # multimodal configs keep the language model in a sub-config
-    if max(_get(config, "num_local_experts", 0), _get(config, "num_experts", 0)) > 1:
-        raise LitftError("FLOPs of mixture-of-experts models are not supported yet; MFU will not be reported")
     try:
         hidden = int(_get(config, "hidden_size"))
         layers = int(_get(config, "num_hidden_layers"))
@@ -109,6 +110,16 @@ def model_shape(config, gated: Optional[bool] = None) -> ModelShape:
     kv_heads = int(_get(config, "num_key_value_heads", heads))
     head_dim = int(_get(config, "head_dim", hidden // heads))
     intermediate = int(_get(config, "intermediate_size") or _get(config, "n_inner") or _get(config, "ffn_dim") or 4 * hidden)
+    experts = max(_get(config, "num_local_experts", 0), _get(config, "num_experts", 0), _get(config, "n_routed_experts", 0))
+    router = 0
+    if experts > 1:
+        # A token runs through its top-k experts (and any shared expert): the matmuls of one MLP that wide, plus the router.
+        top_k = _get(config, "num_experts_per_tok") or _get(config, "num_experts_per_token")
+        if not top_k:
+            raise LitftError("the MoE config names no num_experts_per_tok; its FLOPs per token are unknown and MFU will not be reported")
+        expert = int(_get(config, "moe_intermediate_size") or intermediate)
+        shared = int(_get(config, "shared_expert_intermediate_size", 0) or _get(config, "n_shared_experts", 0) * expert)
+        intermediate, router = int(top_k) * expert + shared, int(experts)
     if gated is None:
         model_type = _get(config, "model_type", "")
         if model_type in GATED_MODEL_TYPES:
@@ -117,7 +128,7 @@ def model_shape(config, gated: Optional[bool] = None) -> ModelShape:
             gated = False
         else:
             gated = str(_get(config, "hidden_act", "")) in ("silu", "swish")
-    return ModelShape(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, gated)
+    return ModelShape(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, gated, router)
 
 
 def _lora_targets(shape: ModelShape, targets: Union[str, Iterable[str]]) -> Tuple[str, ...]:

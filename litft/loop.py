@@ -133,7 +133,7 @@ def train_step(trainer, batch: StepBatch) -> None:
     state.step, state.epoch_step = state.step + 1, state.epoch_step + 1
     state.tokens, state.samples = state.tokens + batch.tokens, state.samples + batch.samples
     # The loss and the norm stay on the device until a log step reads them.
-    metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer)
+    metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer, router_aux=trainer.lm.take_router_aux())
     state.history.append(metrics)
     trainer.profiler.after(state.step)
 

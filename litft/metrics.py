@@ -191,7 +191,7 @@ class StepMeter:
         if step == self.start_step:  # gradients as the step sees them; zero_grad frees them
             self.grad_bytes = self.strategy.state_bytes(lm, optimizer)["grads"]
 
-    def after_step(self, state, loss_sum: torch.Tensor, lr: float, grad_norm, batch, lm, optimizer) -> dict:
+    def after_step(self, state, loss_sum: torch.Tensor, lr: float, grad_norm, batch, lm, optimizer, router_aux=None) -> dict:
         """The step's metrics; only log steps read the loss and norm back from the device, and gather memory."""
         metrics = {"lr": lr, "epoch": state.epoch, "tokens": state.tokens}
         first = state.step == self.start_step + 1
@@ -200,6 +200,8 @@ class StepMeter:
         self.window.add(batch.tokens, batch.samples, batch.flops)
         if state.step % self.train.log_interval == 0 or state.step == self.total_steps:
             metrics["loss"] = self.fabric.all_reduce(loss_sum, reduce_op="sum").item() / max(batch.targets, 1)
+            if router_aux is not None:  # MoE: the router's load-balancing loss, included in "loss", averaged over the ranks
+                metrics["router_aux_loss"] = self.fabric.all_reduce(router_aux, reduce_op="mean").item()
             if grad_norm is not None:
                 metrics["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             compiled = calculate_time_spent().get("total_wall_time", 0.0) if self.compiled else 0.0

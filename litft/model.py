@@ -155,32 +155,61 @@ class CausalLM(torch.nn.Module):
         self.model = model
         self.train_args = train
         self.total_steps = total_steps
+        self.router_aux: list = []  # this step's router load-balancing losses (MoE), read and cleared by the loop
 
     @property
     def hf_model(self) -> torch.nn.Module:
         """The transformers model itself, under peft's wrapper if LoRA was applied."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, varlen: Optional[dict] = None) -> torch.Tensor:
+    @property
+    def router_aux_coef(self) -> float:
+        """The weight of a MoE router's load-balancing loss, where the config asks for it (``output_router_logits``)."""
+        config = self.hf_model.config
+        return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(config, "output_router_logits", False) else 0.0
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, varlen: Optional[dict] = None):
+        """The logits (a summed loss where the head computes it), with the router's auxiliary loss as a pair where there is one."""
         # Where each sample of a row starts, for attention that keeps them apart (litft.attention).
         implementation = self.hf_model.config._attn_implementation
         extra = varlen if varlen is not None and implementation in PACKED_SAFE else {}
         if implementation != SEGMENTS:
             extra = {key: value for key, value in extra.items() if not key.startswith("litft_")}
-        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra).logits
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        aux = getattr(out, "aux_loss", None)
+        return out.logits if aux is None else (out.logits, aux)
 
     def loss_sum(self, batch: dict) -> torch.Tensor:
-        """Summed cross-entropy of the batch's target tokens: by the head itself on targets only where it can (litft.loss)."""
+        """Summed cross-entropy of the batch's target tokens: by the head itself on targets only where it can (litft.loss).
+
+        In training, a MoE router's load-balancing loss is added as transformers adds it to the mean (weighted here by the
+        micro-batch's targets, so that the loop's division by the global batch's targets gives the same mean); the step's
+        value is kept in ``router_aux`` for the log. Validation reports the language-model loss alone.
+        """
         head, targets = fused_head(self.hf_model), batch.get("targets") or targets_of(batch["labels"])
         if head is not None:
             head.loss_targets = (targets["index"], targets["labels"])
             try:
-                return self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
+                out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
             finally:
                 head.loss_targets = None
-        logits = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
-        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, targets["index"])
-        return F.cross_entropy(picked.float(), targets["labels"], reduction="sum")
+            loss, aux = out if isinstance(out, tuple) else (out, None)
+        else:
+            out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
+            logits, aux = out if isinstance(out, tuple) else (out, None)
+            picked = logits.reshape(-1, logits.shape[-1]).index_select(0, targets["index"])
+            loss = F.cross_entropy(picked.float(), targets["labels"], reduction="sum")
+        if aux is not None and self.training and self.router_aux_coef:
+            self.router_aux.append(aux.detach().float())
+            loss = loss + self.router_aux_coef * aux.float() * len(targets["index"])
+        return loss
+
+    def take_router_aux(self) -> Optional[torch.Tensor]:
+        """The mean router load-balancing loss of the step's micro-batches (on the device), or None; the list is emptied."""
+        if not self.router_aux:
+            return None
+        mean, self.router_aux = torch.stack(self.router_aux).mean(), []
+        return mean
 
     def training_step(self, batch: dict) -> torch.Tensor:
         return self.loss_sum(batch)

@@ -191,3 +191,34 @@ def test_context_and_tensor_parallel_refuse_what_they_cannot_split(folders):
         check_model(config("phi3"), 2)
     with pytest.raises(LitftError, match="found none of .* in gpt_neox's blocks"):
         check_model(config("gpt-neox"), 2)
+
+
+def test_router_load_balancing_loss_is_added_as_transformers_adds_it(folders, tmp_path):
+    """A MoE config that asks for the router's auxiliary loss: the training loss and its gradients are transformers' own
+    (mean cross-entropy + coef x aux), the aux value is kept for the log, and FLOPs count the top-k experts a token runs."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from litft.flops import model_shape
+
+    folder = tmp_path / "qwen3-moe-aux"
+    shutil.copytree(folders["qwen3-moe"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, output_router_logits=True, router_aux_loss_coef=0.3)))
+    sample = samples()[1]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").train()
+    out = reference(sample["input_ids"][None], labels=sample["input_ids"][None])
+    assert out.aux_loss is not None
+    out.loss.backward()
+    lm = as_litft_builds_it(folder)
+    loss = lm.loss_sum(collate([sample], pad_id=0)) / (len(sample["input_ids"]) - 1)
+    loss.backward()
+    assert abs(loss.item() - out.loss.item()) <= 1e-5 * out.loss.item()
+    for name, param in reference.named_parameters():
+        got = lm.hf_model.get_parameter(name).grad
+        assert (got - param.grad).norm() <= 1e-4 * param.grad.norm(), name
+    aux = lm.take_router_aux()
+    assert aux is not None and abs(aux.item() - out.aux_loss.item()) <= 1e-5 and lm.take_router_aux() is None
+    shape = model_shape(load_config(str(folder)))
+    assert shape.intermediate == 2 * 32 and shape.router == 4  # top-2 of 4 experts of width 32

@@ -102,9 +102,13 @@ def test_bad_arguments_are_one_line_errors():
         flops_per_token(config, SEQ, trained="lora")
     with pytest.raises(LitftError, match="embed_tokens"):
         flops_per_token(config, SEQ, trained="lora", lora_r=8, lora_targets=["embed_tokens"])
-    with pytest.raises(LitftError, match="mixture-of-experts"):
-        flops_per_token({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10,
-                         "num_local_experts": 8}, SEQ)
+    moe = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10, "num_local_experts": 8}
+    with pytest.raises(LitftError, match="MoE config names no num_experts_per_tok"):
+        flops_per_token(moe, SEQ)
+    # A token runs through its top-2 experts: the FLOPs of a dense model with an MLP twice as wide, plus the router.
+    dense = dict(moe, intermediate_size=256, num_local_experts=0)
+    router = 3 * 2 * 2 * 64 * 8  # forward and 2x backward, 2 layers, hidden x 8 experts
+    assert flops_per_token(dict(moe, intermediate_size=128, num_experts_per_tok=2), SEQ) == flops_per_token(dense, SEQ) + router
 
 
 @pytest.mark.parametrize(
