@@ -4,11 +4,13 @@ Two libraries' import-time chatter is quieted in the package's ``__init__``, so 
 every entry point (this one, the matrix workers, a user's own script) is quiet.
 """
 
+import dataclasses
 import difflib
 import gc
 import inspect
 import re
 import sys
+import typing
 from typing import List, Optional
 
 from jsonargparse import CLI, ArgumentParser, set_parsing_settings  # noqa: E402
@@ -58,6 +60,37 @@ def default_data_named(argv: List[str]) -> List[str]:
     return [*argv[: options[0]], *DEFAULT_DATA_FLAGS[argv[0]], *argv[options[0]:]]
 
 
+def boolean_flags(function) -> set:
+    """The ``--flag`` spellings of a command's yes/no options, its dataclass groups' (``--train.X``) included."""
+    found = set()
+
+    def walk(hints: dict, prefix: str) -> None:
+        for name, hint in hints.items():
+            kinds = typing.get_args(hint) or (hint,)
+            if bool in kinds:
+                found.add(f"--{prefix}{name}")
+            for kind in kinds:
+                if dataclasses.is_dataclass(kind):
+                    walk(typing.get_type_hints(kind), f"{prefix}{name}.")
+
+    walk({name: p.annotation for name, p in inspect.signature(function).parameters.items()}, "")
+    return found
+
+
+def bare_booleans(argv: List[str], commands: dict) -> List[str]:
+    """``--check`` or ``--overwrite`` alone (nothing after it, or another flag next) as ``--check true``."""
+    if not argv or argv[0] not in commands:
+        return argv
+    flags = boolean_flags(commands[argv[0]])
+    out = []
+    for i, word in enumerate(argv):
+        out.append(word)
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        if word in flags and (following is None or following.startswith("--")):
+            out.append("true")
+    return out
+
+
 def nearest_flag(parser, unknown: str) -> Optional[str]:
     """The known flag closest in spelling to ``unknown`` (``--devcies`` -> ``--devices``), if any is close."""
     known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
@@ -98,7 +131,7 @@ def main(argv=None) -> None:
     configure_jsonargparse()
     try:
         argv = model_by_position(without_local_rank_argument(sys.argv[1:] if argv is None else list(argv)), parser_jobs())
-        argv = default_data_named(argv)
+        argv = bare_booleans(default_data_named(argv), parser_jobs())
         CLI(parser_jobs(), args=argv, as_positional=True, parser_class=OneLineErrors, prog="litft")
     except LitftError as err:
         # One write, line and newline together: every rank says it on a shared stderr, and print's two writes

@@ -84,7 +84,7 @@ class RunSpec:
             raise LitftError(f"--seed must be in [0, 2**32) (what numpy and torch accept), got {self.seed}")
         if self.lora is not None:
             self.lora.check()
-        if self.resume is not None and self.overwrite:
+        if self.overwrite and self.resumes_inside_out_dir:
             raise LitftError("--overwrite true deletes the checkpoints that --resume continues from; pass only one of them")
         return note
 
@@ -97,6 +97,15 @@ class RunSpec:
             exports.append(("model", self.out_dir / "final"))
         return exports
 
+    @property
+    def resumes_inside_out_dir(self) -> bool:
+        """Whether ``--resume`` continues from a checkpoint under out_dir (which ``--overwrite`` would delete)."""
+        if self.resume is None:
+            return False
+        if self.resume == "auto":
+            return True
+        return Path(self.resume).expanduser().resolve().is_relative_to(self.out_dir.expanduser().resolve())
+
     def check_out_dir(self) -> None:
         """Refuse an out_dir with files in it, unless it is an earlier litft run and --overwrite or --resume was given."""
         out = self.out_dir
@@ -106,10 +115,11 @@ class RunSpec:
             return
         if not (out / RUN_CONFIG).is_file():
             raise LitftError(f"--out_dir {out} holds files that litft did not write; choose another --out_dir")
-        if self.resume is not None:
+        if self.resumes_inside_out_dir:
             return  # continuing the run that is there
         if not self.overwrite:
             raise LitftError(f"--out_dir {out} already holds a run; choose another --out_dir, pass --resume auto to continue it or --overwrite true")
+        # --overwrite with a --resume from elsewhere: this folder's earlier run is replaced, the checkpoint read is not touched.
         # Only what a litft run writes is replaced; anything else the user put there stays.
         for name in ("final", "final-adapter", "logs", "checkpoints"):
             shutil.rmtree(out / name, ignore_errors=True)

@@ -56,8 +56,8 @@ def check_model(config, size: int, quantize: Optional[str] = None) -> None:
     unsplit = unmatched_splits(transformer_blocks(model)[0])
     if unsplit:
         raise LitftError(
-            f"--tensor_parallel splits Llama-style q/k/v/o_proj and gate/up/down_proj in pairs, and {text.model_type} has {unsplit} without "
-            "its partner (fused or otherwise named projections); drop --tensor_parallel"
+            f"--tensor_parallel splits Llama-style q/k/v/o_proj and gate/up/down_proj in pairs, and {text.model_type} has {unsplit} "
+            "(fused or otherwise named projections); drop --tensor_parallel"
         )
     if per_head_tensors(model):
         raise LitftError(f"--tensor_parallel splits attention heads, and {text.model_type}'s per-head {per_head_tensors(model)[0]} "

@@ -82,3 +82,43 @@ def save_tiny(architecture: Architecture, folder: Path, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     load_tokenizer(str(ensure_tiny_model())).save_pretrained(folder)
     return folder
+
+
+def attention_path(architecture: Architecture) -> str:
+    if "softcapping" in architecture.features or "sinks" in architecture.features:
+        return "the model's own eager attention, a sample at a time"
+    if "window" in architecture.features:
+        return "varlen kernel with its window (torch 2.11+) on a GPU; windowed SDPA a sample at a time otherwise"
+    return "varlen kernel on a GPU (bf16); SDPA, a row per sample, otherwise"
+
+
+def table() -> str:
+    """The README's table of architectures: what the conformance test checks, and what each runs under CP and TP."""
+    from litft.context_parallel import check_heads
+    from litft.errors import LitftError
+    from litft.model import check_architecture
+    from litft.tensor_parallel import check_model
+
+    def verdict(check, config) -> str:
+        try:
+            check(config, 2)
+        except LitftError as err:
+            return "refused: " + str(err).split(", and ")[-1].split(";")[0].replace("|", "/")
+        return "yes"
+
+    rows = ["| model (transformers config) | what it adds | attention | packed rows | --context_parallel | --tensor_parallel |",
+            "|---|---|---|---|---|---|"]
+    for a in ARCHITECTURES:
+        config = a.build()
+        try:
+            check_architecture(config)
+        except Exception as err:  # noqa: BLE001
+            rows.append(f"| {a.name} (`{a.config}`) | {a.features} | refused: {str(err).split(': ', 1)[-1].split(';')[0]} | | | |")
+            continue
+        rows.append(f"| {a.name} (`{a.config}`) | {a.features or '-'} | {attention_path(a)} | yes | {verdict(check_heads, config)} | "
+                    f"{verdict(check_model, config)} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())

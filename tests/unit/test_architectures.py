@@ -222,3 +222,11 @@ def test_router_load_balancing_loss_is_added_as_transformers_adds_it(folders, tm
     assert aux is not None and abs(aux.item() - out.aux_loss.item()) <= 1e-5 and lm.take_router_aux() is None
     shape = model_shape(load_config(str(folder)))
     assert shape.intermediate == 2 * 32 and shape.router == 4  # top-2 of 4 experts of width 32
+
+
+def test_readme_table_is_the_one_the_list_gives():
+    from pathlib import Path
+
+    from tests.architectures import table
+
+    assert table() in (Path(__file__).resolve().parents[2] / "README.md").read_text()

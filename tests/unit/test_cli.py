@@ -157,12 +157,29 @@ def test_earlier_run_is_replaced_only_when_asked(tmp_path, capsys):
     code, err = run_main(["finetune_full", *SMALL, "--out_dir", out], capsys)
     assert code == 2 and "already holds a run" in err and "--overwrite true" in err
     assert (out / "final" / "model.safetensors").stat().st_mtime_ns == first
-    main(["finetune_full", *SMALL, "--out_dir", str(out), "--overwrite", "true"])
+    main(["finetune_full", *SMALL, "--out_dir", str(out), "--overwrite"])  # a yes/no flag alone means yes
     assert (out / "final" / "model.safetensors").stat().st_mtime_ns != first
     assert (out / "notes.txt").read_text() == "mine"
+    # --overwrite deletes what --resume would continue from only where the checkpoint lies inside out_dir.
+    code, err = run_main(["finetune_full", *SMALL, "--out_dir", out, "--resume", "auto", "--overwrite"], capsys)
+    assert code == 2 and "deletes the checkpoints that --resume continues from" in err
+    other = tmp_path / "other"
+    main(["finetune_full", *SMALL, "--out_dir", str(other), "--eval.interval", "0"])
+    main(["finetune_full", *SMALL, "--out_dir", str(other), "--resume", str(out), "--overwrite"])
+    assert list((out / "checkpoints").glob("step-*")) and (other / "final" / "model.safetensors").is_file()
     # The recorded config is a valid --config file that reproduces the run's settings.
     again = cli_parser().parse_args(["finetune_full", "--config", str(out / "run_config.yaml")]).finetune_full
     assert again.train.max_steps == 1 and again.data.init_args.num_train == 64 and again.model == "litft-tiny"
+
+
+def test_yes_no_flags_take_the_bare_form():
+    from litft.__main__ import bare_booleans
+
+    commands = parser_jobs()
+    assert bare_booleans(["env", "--check"], commands) == ["env", "--check", "true"]
+    assert bare_booleans(["finetune_lora", "--compile", "--train.gradient_checkpointing", "--overwrite", "false"], commands) == [
+        "finetune_lora", "--compile", "true", "--train.gradient_checkpointing", "true", "--overwrite", "false"]
+    assert bare_booleans(["finetune_full", "--devices", "2"], commands) == ["finetune_full", "--devices", "2"]
 
 
 def test_unreachable_hub_id_is_one_line(tmp_path, capsys):
