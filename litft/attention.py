@@ -193,7 +193,37 @@ def model_eager_attention(module) -> Callable:
 
 def _beyond_sdpa(module, kwargs) -> bool:
     """Whether this layer's attention needs more than a causal (windowed) softmax: logit softcapping or attention sinks."""
-    return kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or isinstance(getattr(module, "sinks", None), torch.Tensor)
+    if kwargs.get("position_bias") is not None:
+        raise LitftError(f"{type(module).__name__} adds a position bias to its attention scores, which {SEGMENTS} does not apply; "
+                         "use --attn_implementation sdpa")
+    return (kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None
+            or isinstance(getattr(module, "sinks", None), torch.Tensor))
+
+
+def layer_window(module, kwargs) -> Optional[int]:
+    """The layer's sliding window: as the model passes it, else from its config where transformers applies it through the
+    mask alone (Qwen2-MoE's and PhiMoE's layers are windowed by their mask, not by an argument)."""
+    if kwargs.get("sliding_window") is not None:
+        return kwargs["sliding_window"]
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and index is not None:
+        return window if types[index] == "sliding_attention" else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+class _GroupsOf:
+    """The attention module as its eager function sees it, with the query heads per K/V head of the tensors at hand
+    (context parallel deals heads out and may copy K/V heads, so the module's own count no longer holds)."""
+
+    def __init__(self, module, groups: int):
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
 
 
 def _masked_in_samples(module, query, key, value, cu, bounds, longest: int, window: Optional[int], dropout: float, scaling, kwargs):
@@ -202,6 +232,8 @@ def _masked_in_samples(module, query, key, value, cu, bounds, longest: int, wind
     beyond = _beyond_sdpa(module, kwargs)
     eager = model_eager_attention(module) if beyond else None
     batch, heads, width, dim = query.shape
+    if beyond and getattr(module, "num_key_value_groups", None) != heads // key.shape[1]:
+        module = _GroupsOf(module, heads // key.shape[1])
     tokens = batch * width
     flat = [t.transpose(0, 1).reshape(t.shape[1], tokens, dim) for t in (query, key, value)]  # heads, tokens, dim
     out = query.new_zeros(tokens, heads, dim)
@@ -233,7 +265,7 @@ def _eager_with_mask(module, query, key, value, attention_mask, dropout: float, 
     elif attention_mask is None:  # no mask given: causal, aligned to the end for a cache
         q_len, k_len = query.shape[2], key.shape[2]
         seen = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-        window = kwargs.get("sliding_window")
+        window = layer_window(module, kwargs)
         if window is not None:
             seen &= ~torch.ones_like(seen).tril(k_len - q_len - window)
         attention_mask = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(~seen, torch.finfo(query.dtype).min)[None, None]
@@ -242,7 +274,7 @@ def _eager_with_mask(module, query, key, value, attention_mask, dropout: float, 
 
 
 def _attend_in_samples(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
-    window = kwargs.get("sliding_window")
+    window = layer_window(module, kwargs)
     beyond = _beyond_sdpa(module, kwargs)
     if attention_mask is not None or query.shape[2] != key.shape[2]:
         if beyond or (attention_mask is None and window is not None):

@@ -63,10 +63,24 @@ def load_config(source: str):
 RECURRENT_FIELDS = ("mamba_", "ssm_", "linear_num_", "linear_key_head", "conv_L_cache", "layers_block_type")
 
 
+# Recurrent models whose configs name no layer types and no field of the kinds above.
+RECURRENT_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "minimax")
+# The attention layers litft's padding-free attention computes as transformers does.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def check_architecture(config) -> None:
     """One line, before any process starts, for a model litft cannot train as transformers computes it."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    others = sorted(set(getattr(text, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES))
+    if others:
+        raise LitftError(
+            f"litft cannot train {text.model_type} models yet: their {others[0]} layers are not computed by litft's padding-free "
+            "attention as transformers computes them (state carried from token to token, or attention in chunks); use transformers' Trainer for it"
+        )
     recurrent = sorted(key for key in text.to_dict() if key.startswith(RECURRENT_FIELDS))
+    if text.model_type in RECURRENT_TYPES and not recurrent:
+        recurrent = [text.model_type]
     if recurrent:
         raise LitftError(
             f"litft cannot train {text.model_type} models yet: their state-space or linear-attention layers ({recurrent[0]}, ...) carry "

@@ -104,13 +104,21 @@ def checkpoint_in_model_layout(folder: Path, config) -> Path:
     """
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    wanted = set(model.state_dict())
+    # Every stored tensor once, under any of its names (tied embeddings are one tensor with two).
+    names: Dict[int, List[str]] = {}
+    for module_name, module in model.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            for attr, tensor in getattr(module, kind).items():
+                if tensor is not None and (kind == "_parameters" or attr not in module._non_persistent_buffers_set):
+                    names.setdefault(id(tensor), []).append(f"{module_name}.{attr}" if module_name else attr)
     stored = CheckpointWeights(folder)
-    if all(stored.find([name]) is not None for name in wanted):
+    missing = [group[0] for group in names.values() if stored.find(group) is None]
+    if not missing:
         return folder
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    if not get_model_conversion_mapping(model):
+    renames = {n for t in get_model_conversion_mapping(model) for n in getattr(t, "source_patterns", [])}
+    if not renames:
         return folder  # not a layout transformers converts: the fill names the first missing tensor
     from litft.data.base import litft_home
 
@@ -123,11 +131,26 @@ def checkpoint_in_model_layout(folder: Path, config) -> Path:
         if not (target / "done").is_file():
             from huggingface_hub import save_torch_state_dict
 
-            loaded = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+            try:
+                loaded, info = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", output_loading_info=True)
+            except (RuntimeError, ValueError, OSError) as err:
+                first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                raise LitftError(f"the checkpoint in {folder} has no tensor for {missing[0]}, and transformers cannot convert it "
+                                 f"from the layout it stores ({first}); it does not match this model's config") from None
+            # from_pretrained fills what the checkpoint lacks with random values; a training run must not start from them.
+            lacking = [k for k in info.get("missing_keys", []) if k in {n for group in names.values() for n in group}]
+            if lacking or info.get("mismatched_keys"):
+                raise LitftError(f"the checkpoint in {folder} has no tensor for {(lacking or info['mismatched_keys'])[0]} even in the layout "
+                                 "transformers converts it from; it does not match this model's config")
             staging = target.with_suffix(".partial")
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
-            save_torch_state_dict(loaded.state_dict(), staging)
+            kept, seen = {}, set()
+            for name, tensor in loaded.state_dict().items():  # a tied tensor under its first name (the input embedding)
+                if tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
+                    kept[name] = tensor
+            save_torch_state_dict(kept, staging)
             (staging / "done").write_text(str(folder))
             shutil.rmtree(target, ignore_errors=True)
             staging.rename(target)  # whole or absent: a crash mid-write leaves only the staging folder

@@ -62,11 +62,17 @@ ARCHITECTURES = [
     Architecture("mixtral", "MixtralConfig", dict(MOE), "MoE"),
     Architecture("qwen2-moe", "Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                      shared_expert_intermediate_size=32), "MoE"),
+    Architecture("phimoe", "PhimoeConfig", dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                                                router_jitter_noise=0.0, input_jitter_noise=0.0),
+                 "MoE, sliding window (by the mask alone)"),
     Architecture("qwen3-moe", "Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8), "MoE"),
     Architecture("gpt-neox", "GPTNeoXConfig", dict(num_key_value_heads=None, use_parallel_residual=True)),
     Architecture("falcon-h1", "FalconH1Config", dict(head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
                                                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8),
-                 "attention + Mamba", refused="state-space or linear-attention layers"),
+                 "attention + Mamba", refused="hybrid layers"),
+    Architecture("llama4 (chunked)", "Llama4TextConfig", dict(head_dim=8, attention_chunk_size=WINDOW, intermediate_size_mlp=64,
+                                                             num_local_experts=1), "chunked attention", refused="chunked_attention layers"),
+    Architecture("mamba", "MambaConfig", dict(state_size=8, num_key_value_heads=None), "state space", refused="linear_attention layers"),
 ]
 
 

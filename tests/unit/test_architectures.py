@@ -230,3 +230,18 @@ def test_readme_table_is_the_one_the_list_gives():
     from tests.architectures import table
 
     assert table() in (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_in_one_line(folders, tmp_path):
+    """Whether or not transformers converts its layout: from_pretrained would fill the gap with random values."""
+    from safetensors.torch import load_file, save_file
+
+    for name, dropped in (("llama", "model.layers.0.mlp.down_proj.weight"), ("qwen3-moe", "model.layers.0.mlp.experts.0.down_proj.weight")):
+        broken = tmp_path / name
+        shutil.copytree(folders[name], broken)
+        tensors = load_file(broken / "model.safetensors")
+        del tensors[dropped]
+        save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(LitftError, match="has no tensor for model.layers.0.mlp") as refusal:
+            as_litft_builds_it(broken)
+        assert "\n" not in str(refusal.value)

@@ -1,0 +1,238 @@
+"""The figures litft must not lose, measured the way a user's machine sees them, and appended to a history in the repo.
+
+    python benchmarks/record.py                         # every figure (about 10 minutes on 2 CPU cores)
+    python benchmarks/record.py --figures zero3_lora_peak fsdp_accumulation
+    python benchmarks/record.py --suite_seconds 1712    # also record a suite time measured elsewhere
+
+Run it before a change to the loop, the strategies, attention, data or loading lands,
+and commit the lines it appends to ``benchmarks/history.jsonl`` (commit, date,
+machine, figure, value). Each figure is printed with its change since that
+figure's last entry, so a slip shows the day it happens. It is a benchmark, not
+a test: CI does not run it.
+
+Figures (memory as a share of the model's fp32 bytes, speed as a ratio to HF
+Trainer run in the same invocation):
+
+- ``zero3_lora_peak``: ``litft finetune_lora`` under ZeRO-3 on 2 ranks, 32-true,
+  one step of a 0.97 GB random Llama (20 layers, hidden 1024, MLP 2816): the
+  largest rank's peak anonymous memory above the same run on a tiny model. No
+  rank should ever hold the whole model (goal <= 0.8).
+- ``fsdp_accumulation``: ``litft finetune_full`` under FSDP FULL_SHARD on 2 ranks,
+  micro-batch 1, 2 steps of the same model, global batch 8 against 2: what
+  accumulating 4 micro-batches adds to the largest rank's peak (goal < 0.25).
+- ``lora_vs_trainer`` and ``full_vs_trainer``: chat SFT of SmolLM2-135M-Instruct,
+  12 steps, 2 threads, litft's tokens/s over Trainer's on the same samples and
+  batches (``benchmarks/vs_hf_trainer.py``; goal >= 1.3).
+
+Peaks are each process's anonymous resident memory (``RssAnon``), sampled every
+10 ms over the whole process tree the command starts: loading, every step,
+checkpoint saving and the export included, as the out-of-memory killer sees it.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+HISTORY = ROOT / "benchmarks" / "history.jsonl"
+GOALS = {"zero3_lora_peak": ("<=", 0.8), "fsdp_accumulation": ("<", 0.25), "lora_vs_trainer": (">=", 1.3), "full_vs_trainer": (">=", 1.3),
+         "suite_seconds": ("<", 1800)}
+BIG = dict(hidden=1024, layers=20, intermediate=2816)
+TINY = dict(hidden=128, layers=1, intermediate=384)
+
+
+class TreePeak:
+    """The largest anonymous resident memory any process of a tree reached, sampled every 10 ms."""
+
+    def __init__(self, root_pid: int):
+        self.root, self.peak, self.done = root_pid, 0, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _tree(self) -> List[int]:
+        pids, i = [self.root], 0
+        while i < len(pids):
+            for task in Path(f"/proc/{pids[i]}/task").glob("*"):
+                try:
+                    pids += [int(c) for c in (task / "children").read_text().split()]
+                except OSError:
+                    pass
+            i += 1
+        return pids
+
+    def _sample(self):
+        while not self.done.is_set():
+            for pid in self._tree():
+                try:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue
+                found = re.search(r"RssAnon:\s+(\d+) kB", status)
+                if found:
+                    self.peak = max(self.peak, int(found.group(1)) * 1024)
+            self.done.wait(0.01)
+
+    def stop(self) -> int:
+        self.done.set()
+        self.thread.join()
+        return self.peak
+
+
+def run_peak(command: List[str], env: dict) -> int:
+    """Run a command; the largest anonymous memory any of its processes held (bytes)."""
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = TreePeak(process.pid)
+    output, _ = process.communicate()
+    top = peak.stop()
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(command[:6])}... exited {process.returncode}:\n{output[-3000:]}")
+    return top
+
+
+def llama_folder(work: Path, hidden: int, layers: int, intermediate: int) -> Path:
+    """A random Llama of the shape with litft-tiny's tokenizer, saved once; its fp32 bytes are the model size."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from litft.tiny import ensure_tiny_model
+
+    folder = work / f"llama-{hidden}x{layers}"
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=384, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                             num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, max_position_embeddings=256,
+                             tie_word_embeddings=False)
+        LlamaForCausalLM(config).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(ensure_tiny_model()).save_pretrained(folder)
+    return folder
+
+
+def model_bytes(folder: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                count = 1
+                for n in shape:
+                    count *= n
+                total += 4 * count
+    return total
+
+
+def litft_peak(job: str, folder: Path, out: Path, flags: List[str]) -> int:
+    data = ["--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8", "--accelerator", "cpu", "--precision", "32-true",
+            "--eval.initial_validation", "false", "--logger_name", "csv", "--overwrite", "true", "--out_dir", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu")
+    return run_peak([sys.executable, "-m", "litft", job, str(folder), *data, *flags], env)
+
+
+def zero3_lora_peak(work: Path) -> float:
+    flags = ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2", "--train.global_batch_size", "2",
+             "--train.micro_batch_size", "1", "--train.max_steps", "1", "--lora_dropout", "0"]
+    big, tiny = llama_folder(work, **BIG), llama_folder(work, **TINY)
+    grown = litft_peak("finetune_lora", big, work / "out", flags) - litft_peak("finetune_lora", tiny, work / "out", flags)
+    return grown / model_bytes(big)
+
+
+def fsdp_accumulation(work: Path) -> float:
+    big = llama_folder(work, **BIG)
+    flags = ["--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD", "--devices", "2", "--train.micro_batch_size", "1",
+             "--train.max_steps", "2"]
+    peaks = {g: litft_peak("finetune_full", big, work / "out", [*flags, "--train.global_batch_size", str(g)]) for g in (8, 2)}
+    return (peaks[8] - peaks[2]) / model_bytes(big)
+
+
+def versus_trainer(work: Path) -> Dict[str, float]:
+    command = [sys.executable, str(ROOT / "benchmarks" / "vs_hf_trainer.py"), "--jobs", "lora,full", "--sides", "litft,trainer",
+               "--steps", "12", "--threads", "2", "--work_dir", str(work / "vs")]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"vs_hf_trainer.py exited {out.returncode}:\n{out.stderr[-3000:]}")
+    ratios = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            if row["side"] == "trainer":
+                ratios[f"{row['run']}_vs_trainer"] = row["litft_speed_over_this"]
+    return ratios
+
+
+def commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return head + ("+changes" if dirty else "")
+
+
+def machine() -> str:
+    return f"{platform.machine()} {os.cpu_count()} cores, {os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB, " \
+           f"{platform.python_implementation()} {platform.python_version()}"
+
+
+def last_values() -> Dict[str, float]:
+    last = {}
+    if HISTORY.is_file():
+        for line in HISTORY.read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                last[entry["figure"]] = entry["value"]
+    return last
+
+
+def record(figures: Dict[str, float], history: Path = HISTORY) -> List[str]:
+    """Append the figures to the history; one printed line each, with its change since its last entry and its goal."""
+    before = last_values() if history == HISTORY else {}
+    stamp = {"commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), "machine": machine()}
+    lines = []
+    with open(history, "a") as f:
+        for figure, value in figures.items():
+            f.write(json.dumps({**stamp, "figure": figure, "value": round(value, 4)}) + "\n")
+            change = f"{value - before[figure]:+.3f} since the last entry ({before[figure]:.3f})" if figure in before else "first entry"
+            sign, goal = GOALS[figure]
+            met = {"<=": value <= goal, "<": value < goal, ">=": value >= goal}[sign]
+            lines.append(f"{figure:<20} {value:8.3f}   {change:<40} goal {sign} {goal}: {'met' if met else 'NOT MET'}")
+    return lines
+
+
+MEASURES = {"zero3_lora_peak": zero3_lora_peak, "fsdp_accumulation": fsdp_accumulation}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--figures", nargs="+", default=[*MEASURES, "vs_trainer"], choices=[*MEASURES, "vs_trainer"])
+    parser.add_argument("--suite_seconds", type=float, default=None, help="the test suite's time from a clean clone, measured elsewhere")
+    parser.add_argument("--no_history", action="store_true", help="print only; append nothing")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="litft-record-"))
+    figures: Dict[str, float] = {}
+    try:
+        for name in args.figures:
+            started = time.perf_counter()
+            if name == "vs_trainer":
+                figures.update(versus_trainer(work))
+            else:
+                figures[name] = MEASURES[name](work)
+            print(f"measured {name} in {time.perf_counter() - started:.0f} s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if args.suite_seconds is not None:
+        figures["suite_seconds"] = args.suite_seconds
+    for line in record(figures, Path(os.devnull) if args.no_history else HISTORY):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
