@@ -67,7 +67,7 @@ def fit(trainer) -> LoopState:
             break
         train_step(trainer, batch)
         validating, saving = cadence.validate_now(state.step), cadence.save_now(state.step)
-        if validating or saving or state.step % trainer.spec.train.log_interval == 0:
+        if validating or saving:
             stop_if_not_finite(trainer)
         if validating:
             validate_and_log(trainer, scoring=False)
@@ -134,12 +134,18 @@ def train_step(trainer, batch: StepBatch) -> None:
     state.tokens, state.samples = state.tokens + batch.tokens, state.samples + batch.samples
     # The loss and the norm stay on the device until a log step reads them.
     metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer, router_aux=trainer.lm.take_router_aux())
+    if "loss" in metrics and not math.isfinite(metrics["loss"]):  # a log step's loss is the global one: every rank stops here
+        raise not_finite(float(state.first_nonfinite) if math.isfinite(float(state.first_nonfinite)) else state.step)
     state.history.append(metrics)
     trainer.profiler.after(state.step)
 
 
 def stop_if_not_finite(trainer) -> None:
-    """End the run with one line at a loss that is not finite: nothing from that step on is validated, saved or exported."""
+    """End the run with one line at a loss that is not finite: nothing from that step on is validated, saved or exported.
+
+    Before a save or a validation (one small all-reduce: every rank decides alike) and at the end; log steps read the
+    global loss anyway (``train_step``) and stop there without another collective.
+    """
     flag = trainer.state.first_nonfinite
     if flag is None:
         return
@@ -147,10 +153,14 @@ def stop_if_not_finite(trainer) -> None:
         flag = trainer.fabric.all_reduce(flag.clone(), reduce_op=torch.distributed.ReduceOp.MIN)
     first = float(flag)
     if math.isfinite(first):
-        raise LitftError(
-            f"the training loss was not finite (nan or inf) at step {int(first)}; the run stops and nothing from that step on is "
-            "saved or exported: lower --train.learning_rate, check the data, or try another --precision"
-        )
+        raise not_finite(first)
+
+
+def not_finite(step: float) -> LitftError:
+    return LitftError(
+        f"the training loss was not finite (nan or inf) at step {int(step)}; the run stops and nothing from that step on is "
+        "saved or exported: lower --train.learning_rate, check the data, or try another --precision"
+    )
 
 
 def validate_and_log(trainer, scoring: bool) -> None:
