@@ -23,6 +23,23 @@ def release_freed_host_memory() -> None:
         trim(0)
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+HOST_MAP_THRESHOLD = 1 << 20
+
+
+def map_large_host_allocations(threshold: int = HOST_MAP_THRESHOLD) -> bool:
+    """Give each host allocation of ``threshold`` bytes or more its own mapping, unmapped when freed (glibc only).
+
+    By default glibc raises its mmap threshold after each large free, up to 32 MiB, so
+    the tensors a CPU training step makes and frees (ZeRO-3's gathered weights, FSDP's
+    unsharded units, activations) come from the heap and their pages stay with the
+    process: its resident memory climbs to the sum of every transient it ever held.
+    A fixed threshold keeps resident memory at what is live. Whether it took.
+    """
+    mallopt = getattr(_PROCESS, "mallopt", None)
+    return bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold))
+
+
 def cuda_allocator_defaults(env=None) -> None:
     """Expandable segments for PyTorch's CUDA allocator unless the user configured it (before CUDA starts).
 

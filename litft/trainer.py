@@ -28,7 +28,7 @@ from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchru
 from litft.context_parallel import ContextSplit, check_heads, join_context_groups
 from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
 from litft.data.stream import StreamSource
-from litft.device import cuda_allocator_defaults, param_dtype, resolve_accelerator, resolve_precision
+from litft.device import cuda_allocator_defaults, map_large_host_allocations, param_dtype, resolve_accelerator, resolve_precision
 from litft.errors import LitftError
 from litft.flops import StepFlops
 from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
@@ -103,6 +103,8 @@ class Trainer:
         )
         join_torchrun_group(strategy.backend, accelerator)
         fabric.launch()
+        if accelerator == "cpu":
+            map_large_host_allocations()  # every rank: host memory is the device's, resident memory should follow live tensors
         if batch_note:
             fabric.print(batch_note)
         return cls(spec, fabric, strategy, precision, attention)

@@ -43,8 +43,13 @@ def test_sharded_runs_of_other_architectures_match_one_process(case, single, tmp
     folder, reference = single(name)
     run_cli("finetune_full", folder, *COMMON, *flags, "--out_dir", tmp_path, timeout=600)
     expected, got = step_losses(reference), step_losses(tmp_path)
-    assert len(got) == len(expected) == 3 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
+    # Top-k routing is discontinuous: router logits that differ by float noise (another summation order on other ranks)
+    # can send a token to another expert from the second step on, which moves the loss by ~1e-4 (seen in some runs
+    # of both MoE cases, never in the first step). A dispatch written wrong moves it by far more.
+    step_tolerance, weight_tolerance = (1e-3, 1e-3) if "moe" in case else (1e-5, 1e-4)
+    assert len(got) == len(expected) == 3 and abs(got[0] - expected[0]) <= 1e-5 * abs(expected[0])
+    assert all(abs(a - b) <= step_tolerance * abs(a) for a, b in zip(expected, got)), (expected, got)
     ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert ours.keys() == theirs.keys()
     for key in ours:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=1e-4, msg=key)
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=weight_tolerance, msg=key)
