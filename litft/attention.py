@@ -226,49 +226,41 @@ class _GroupsOf:
         return getattr(self._module, name)
 
 
-def _masked_in_samples(module, query, key, value, cu, bounds, longest: int, window: Optional[int], dropout: float, scaling, kwargs):
-    """Attention inside each sample under a causal, windowed mask: SDPA where the softmax is plain, else the model's own eager
-    attention (softcapping, sinks), which is exact for whatever it computes."""
-    beyond = _beyond_sdpa(module, kwargs)
-    eager = model_eager_attention(module) if beyond else None
+def _seen(q_len: int, k_len: int, window: Optional[int], device) -> torch.Tensor:
+    """Which keys each query attends: causal, aligned to the end (a KV cache), within the window where there is one."""
+    seen = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+    if window is not None:
+        seen &= ~torch.ones_like(seen).tril(k_len - q_len - window)
+    return seen
+
+
+def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the additive one eager attention functions take."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
+
+
+def _eager_in_samples(module, query, key, value, bounds, window: Optional[int], dropout: float, scaling, kwargs):
+    """The model's own eager attention (softcapping, sinks: exact for whatever it computes) inside each sample."""
+    eager = model_eager_attention(module)
     batch, heads, width, dim = query.shape
-    if beyond and getattr(module, "num_key_value_groups", None) != heads // key.shape[1]:
+    if getattr(module, "num_key_value_groups", None) != heads // key.shape[1]:
         module = _GroupsOf(module, heads // key.shape[1])
     tokens = batch * width
     flat = [t.transpose(0, 1).reshape(t.shape[1], tokens, dim) for t in (query, key, value)]  # heads, tokens, dim
     out = query.new_zeros(tokens, heads, dim)
-
-    def seen(length: int) -> torch.Tensor:
-        place = torch.arange(length, device=query.device)
-        allowed = place[None, :] <= place[:, None]
-        if window is not None:
-            allowed &= place[None, :] > place[:, None] - window
-        return allowed
-
     for start, end in zip(bounds, bounds[1:]):
         q, k, v = (t[None, :, start:end] for t in flat)
-        allowed = seen(end - start)
-        if eager is None:
-            out[start:end] = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1)
-        else:
-            additive = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(~allowed, torch.finfo(query.dtype).min)
-            out[start:end] = eager(module, q, k, v, additive[None, None], dropout=dropout, scaling=scaling, **kwargs)[0][0]
+        mask = _additive(_seen(end - start, end - start, window, query.device), query.dtype)[None, None]
+        out[start:end] = eager(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)[0][0]
     return out.reshape(batch, width, heads, dim), None
 
 
 def _eager_with_mask(module, query, key, value, attention_mask, dropout: float, scaling, kwargs):
     """The model's eager attention under transformers' own (boolean SDPA) mask: generation of padded prompts, a KV cache."""
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~attention_mask, torch.finfo(query.dtype).min)
-    elif attention_mask is None:  # no mask given: causal, aligned to the end for a cache
-        q_len, k_len = query.shape[2], key.shape[2]
-        seen = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-        window = layer_window(module, kwargs)
-        if window is not None:
-            seen &= ~torch.ones_like(seen).tril(k_len - q_len - window)
-        attention_mask = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(~seen, torch.finfo(query.dtype).min)[None, None]
+    if attention_mask is None:  # no mask given: causal, aligned to the end for a cache
+        attention_mask = _seen(query.shape[2], key.shape[2], layer_window(module, kwargs), query.device)[None, None]
+    if attention_mask.dtype == torch.bool:
+        attention_mask = _additive(attention_mask, query.dtype)
     return model_eager_attention(module)(module, query, key, value, attention_mask, dropout=dropout if module.training else 0.0,
                                          scaling=scaling, **kwargs)
 
@@ -303,7 +295,7 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
     if beyond:
         # Softcapping or sinks: no fused kernel here computes them, so the model's own definition runs, a sample at a time.
         RECORD.note("eager", received, dtype)
-        return _masked_in_samples(module, query, key, value, cu, bounds or tuple(cu.tolist()), longest, window, dropout, scaling, kwargs)
+        return _eager_in_samples(module, query, key, value, bounds or tuple(cu.tolist()), window, dropout, scaling, kwargs)
     kernel = VARLEN
     if (kernel is not None and dropout == 0.0 and kernel.runs(query.device.type, dtype, scaling, dim)
             and (window is None or kernel.takes_window)):
@@ -312,15 +304,12 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
         flat = lambda t: t.transpose(1, 2).reshape(batch * width, t.shape[1], dim)  # noqa: E731
         out = kernel(flat(query), flat(key), flat(value), cu.to(query.device, torch.int32), longest, scaling, window)
         return out.reshape(batch, width, heads, dim), None
-    if window is not None:
-        # A window the kernel cannot take: SDPA with a windowed mask, a sample at a time.
-        RECORD.note("windowed sdpa", received, dtype)
-        return _masked_in_samples(module, query, key, value, cu, bounds or tuple(cu.tolist()), longest, window, dropout, scaling, kwargs)
-    RECORD.note("sdpa", received, dtype)
+    # A window the kernel cannot take goes to SDPA with a windowed mask, a sample at a time (the gathered call is causal only).
+    RECORD.note("sdpa" if window is None else "windowed sdpa", received, dtype)
     cu = cu.to(query.device, torch.long)
     lengths = torch.diff(cu)
     tokens = batch * width
-    if len(lengths) * longest <= GATHER_PADDING_LIMIT * tokens:
+    if window is None and len(lengths) * longest <= GATHER_PADDING_LIMIT * tokens:
         # Samples of similar length: one causal SDPA call, each gathered into a row of its own, padded at its end
         # with copies of its last token. Causality keeps real queries off that padding; what padding queries
         # produce is never read back. Only attention sees the padding; every other layer stays padding-free.
@@ -336,14 +325,15 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
         picked = attended[sample, :, (token - cu[sample]).clamp(0, longest - 1)]  # tokens, heads, dim
         out = torch.where(inside[:, None, None], picked, 0).permute(1, 0, 2)
     else:
-        # Lengths far apart: padding them to the longest would cost more than a call per sample.
+        # Lengths far apart (padding them to the longest would cost more than a call per sample), or a window.
         bounds = bounds or cu.tolist()
         q, k, v = (t.transpose(0, 1).reshape(t.shape[1], 1, tokens, dim) for t in (query, key, value))  # heads, 1, tokens, dim
         out = query.new_zeros(heads, 1, tokens, dim)
         for start, end in zip(bounds, bounds[1:]):
+            mask = None if window is None else _seen(end - start, end - start, window, query.device)
             out[:, :, start:end] = F.scaled_dot_product_attention(
                 q[None, :, 0, start:end], k[None, :, 0, start:end], v[None, :, 0, start:end],
-                dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa,
+                attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa,
             )[0][:, None]
     return out.reshape(heads, batch, width, dim).permute(1, 2, 0, 3).contiguous(), None
 

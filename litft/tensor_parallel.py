@@ -50,17 +50,19 @@ def check_model(config, size: int, quantize: Optional[str] = None) -> None:
     from litft.weights import per_head_tensors, skeleton, transformer_blocks
 
     model = skeleton(config, torch.float32)
-    if not split_layers(transformer_blocks(model)[0]):
+    block = transformer_blocks(model)[0]
+    if not split_layers(block):
         raise LitftError(f"--tensor_parallel found none of {', '.join(COLUMN + ROW)} in {text.model_type}'s blocks; this model's layers are "
                          "not named as Llama-style models name them, drop --tensor_parallel")
-    unsplit = unmatched_splits(transformer_blocks(model)[0])
+    unsplit = unmatched_splits(block)
     if unsplit:
         raise LitftError(
             f"--tensor_parallel splits Llama-style q/k/v/o_proj and gate/up/down_proj in pairs, and {text.model_type} has {unsplit} "
             "(fused or otherwise named projections); drop --tensor_parallel"
         )
-    if per_head_tensors(model):
-        raise LitftError(f"--tensor_parallel splits attention heads, and {text.model_type}'s per-head {per_head_tensors(model)[0]} "
+    per_head = per_head_tensors(model)
+    if per_head:
+        raise LitftError(f"--tensor_parallel splits attention heads, and {text.model_type}'s per-head {per_head[0]} "
                          "is not split with them yet; drop --tensor_parallel")
 
 

@@ -102,17 +102,13 @@ def checkpoint_in_model_layout(folder: Path, config) -> Path:
     knows is applied as it applies it, and written in the model's layout to
     ``$LITFT_HOME/converted``, which every rank and later run then reads.
     """
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    # Every stored tensor once, under any of its names (tied embeddings are one tensor with two).
-    names: Dict[int, List[str]] = {}
-    for module_name, module in model.named_modules():
-        for kind in ("_parameters", "_buffers"):
-            for attr, tensor in getattr(module, kind).items():
-                if tensor is not None and (kind == "_parameters" or attr not in module._non_persistent_buffers_set):
-                    names.setdefault(id(tensor), []).append(f"{module_name}.{attr}" if module_name else attr)
+    model = skeleton(config, torch.float32)
+    # Every stored tensor once, under any of its names (tied embeddings are one tensor with two), as the fill knows them.
+    walk = Materializer(model, model, None, 0)
+    stored_groups = [names for names, ((module, kind, attr), *_) in zip(walk.names, walk.owners)
+                     if kind == "_parameters" or attr not in module._non_persistent_buffers_set]
     stored = CheckpointWeights(folder)
-    missing = [group[0] for group in names.values() if stored.find(group) is None]
+    missing = [group[0] for group in stored_groups if stored.find(group) is None]
     if not missing:
         return folder
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -138,7 +134,7 @@ def checkpoint_in_model_layout(folder: Path, config) -> Path:
                 raise LitftError(f"the checkpoint in {folder} has no tensor for {missing[0]}, and transformers cannot convert it "
                                  f"from the layout it stores ({first}); it does not match this model's config") from None
             # from_pretrained fills what the checkpoint lacks with random values; a training run must not start from them.
-            lacking = [k for k in info.get("missing_keys", []) if k in {n for group in names.values() for n in group}]
+            lacking = [k for k in info.get("missing_keys", []) if k in {n for group in stored_groups for n in group}]
             if lacking or info.get("mismatched_keys"):
                 raise LitftError(f"the checkpoint in {folder} has no tensor for {(lacking or info['mismatched_keys'])[0]} even in the layout "
                                  "transformers converts it from; it does not match this model's config")
