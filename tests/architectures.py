@@ -90,6 +90,53 @@ def save_tiny(architecture: Architecture, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+LENGTHS = [13, 20, 7, 16]  # longer and shorter than the windows (6)
+
+
+def samples():
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for i, n in enumerate(LENGTHS):
+        ids = torch.randint(0, VOCAB, (n,), generator=generator)
+        out.append({"input_ids": ids, "labels": ids.clone(), "id": torch.tensor(i)})
+    return out
+
+
+def reference(folder, dtype=torch.float32, device="cpu"):
+    """transformers' own loss (summed over target tokens) and gradients: eager attention, each sample alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").to(device).train()
+    total = 0.0
+    for sample in samples():
+        ids = sample["input_ids"].to(device)
+        logits = model(ids[None]).logits[0].float()
+        total = total + torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum")
+    total.backward()
+    return total.detach().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def as_litft_builds_it(folder, dtype=torch.float32, device="cpu"):
+    """The model as the jobs build it: meta skeleton, litft's fill block by block (as FSDP fills), litft_segments attention,
+    the fused head where it is exact."""
+    from litft.attention import SEGMENTS
+    from litft.config import TrainArgs
+    from litft.loss import fuse_target_loss
+    from litft.model import CausalLM, check_architecture, load_config
+    from litft.weights import CheckpointWeights, Materializer, checkpoint_in_model_layout, skeleton, transformer_blocks
+
+    config = load_config(str(folder))
+    check_architecture(config)
+    model = skeleton(config, dtype)
+    model.set_attn_implementation(SEGMENTS)
+    fill = Materializer(model, model, CheckpointWeights(checkpoint_in_model_layout(folder, config)), 0)
+    for block in reversed(transformer_blocks(model)):
+        fill(block)
+    fill(model)
+    fuse_target_loss(model)
+    return CausalLM(model.to(device), TrainArgs()).train()
+
+
 def attention_path(architecture: Architecture) -> str:
     if "softcapping" in architecture.features or "sinks" in architecture.features:
         return "the model's own eager attention, a sample at a time"

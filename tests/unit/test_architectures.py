@@ -14,59 +14,20 @@ import pytest
 import torch
 
 from litft import attention
-from litft.attention import SEGMENTS, VarlenKernel
-from litft.config import TrainArgs
+from litft.attention import VarlenKernel
 from litft.data.base import collate, pack
 from litft.errors import LitftError
-from litft.loss import fuse_target_loss
-from litft.model import CausalLM, check_architecture, load_config
-from litft.weights import CheckpointWeights, Materializer, checkpoint_in_model_layout, skeleton, transformer_blocks
-from tests.architectures import ARCHITECTURES, VOCAB, save_tiny
+from litft.model import check_architecture, load_config
+from tests.architectures import ARCHITECTURES, VOCAB, as_litft_builds_it, reference, samples, save_tiny
 from tests.varlen_standins import STANDINS
 
-LENGTHS = [13, 20, 7, 16]  # longer and shorter than the windows (6)
 TRAINED = [a for a in ARCHITECTURES if a.refused is None]
-
-
-def samples():
-    generator = torch.Generator().manual_seed(1)
-    out = []
-    for i, n in enumerate(LENGTHS):
-        ids = torch.randint(0, VOCAB, (n,), generator=generator)
-        out.append({"input_ids": ids, "labels": ids.clone(), "id": torch.tensor(i)})
-    return out
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("architectures")
     return {a.name: save_tiny(a, root / a.name.split()[0]) for a in ARCHITECTURES}
-
-
-def reference(folder):
-    """transformers' own loss (summed over target tokens) and gradients: eager attention, each sample alone."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").train()
-    total = 0.0
-    for sample in samples():
-        logits = model(sample["input_ids"][None]).logits[0].float()
-        total = total + torch.nn.functional.cross_entropy(logits[:-1], sample["input_ids"][1:], reduction="sum")
-    total.backward()
-    return total.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def as_litft_builds_it(folder, dtype=torch.float32) -> CausalLM:
-    config = load_config(str(folder))
-    check_architecture(config)
-    model = skeleton(config, dtype)
-    model.set_attn_implementation(SEGMENTS)
-    fill = Materializer(model, model, CheckpointWeights(checkpoint_in_model_layout(folder, config)), 0)
-    for block in reversed(transformer_blocks(model)):  # block by block, as FSDP fills
-        fill(block)
-    fill(model)
-    fuse_target_loss(model)
-    return CausalLM(model, TrainArgs()).train()
 
 
 @pytest.fixture(scope="module")
