@@ -103,8 +103,10 @@ class Trainer:
         )
         join_torchrun_group(strategy.backend, accelerator)
         fabric.launch()
-        if accelerator == "cpu":
-            map_large_host_allocations()  # every rank: host memory is the device's, resident memory should follow live tensors
+        if accelerator == "cpu" and strategy.gathers_weights:
+            # Host memory is the device's: gathered weights must leave it when dropped. Elsewhere glibc's reuse of freed
+            # heap is kept (mapping every large tensor afresh costs one run in ten on the CPU: benchmarks/record.py).
+            map_large_host_allocations()
         if batch_note:
             fabric.print(batch_note)
         return cls(spec, fabric, strategy, precision, attention)

@@ -93,6 +93,12 @@ class TrainingStrategy:
         return compute_dtype(precision) if precision.endswith("-mixed") else None
 
     @property
+    def gathers_weights(self) -> bool:
+        """Whether each rank gathers whole weights for a use and drops them after (FSDP, ZeRO-3): the transients that
+        decide a sharded run's peak, which on the CPU must leave resident memory when freed (litft.device)."""
+        return False
+
+    @property
     def host_device(self) -> str:
         """Where small collectives (counts, flags) can run without synchronizing the accelerator."""
         return "cpu" if "gloo" in self.backend else self.accelerator

@@ -183,6 +183,10 @@ class DeepSpeed(TrainingStrategy):
         self._dtype = param_dtype(precision)  # what the other strategies fill the weights in
         self._shards: Optional[RowShards] = None
 
+    @property
+    def gathers_weights(self) -> bool:
+        return self.stage == 3
+
     @classmethod
     def check(cls, layout: Layout, accelerator: str, precision: str) -> None:
         ds = layout.deepspeed

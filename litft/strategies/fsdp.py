@@ -159,6 +159,7 @@ class FSDP(TrainingStrategy):
     name = "FSDP"
     options = "fsdp"
     splits_blocks = True
+    gathers_weights = True
 
     @classmethod
     def check(cls, layout: Layout, accelerator: str, precision: str) -> None:
