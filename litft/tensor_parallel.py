@@ -11,12 +11,21 @@ way and A stays whole; for a row-split one A is split by input feature (its smal
 output all-reduced) and B stays whole. The sum of base and adapter then has the base's
 layout, and peft's forward runs unchanged.
 
+Which layers split, and how, comes from the model's own ``base_model_tp_plan`` (transformers'
+config) where it names block layers: fused projections whose output is reshaped or
+normalized across heads (Phi-3's qkv_proj, OLMo 2's q/k norms) are gathered after the
+split and re-split before the row layer, and norms applied per head inside split
+attention (Qwen3, Gemma 3) have their gradient summed over the group. Experts stay whole
+on every rank (their split is expert parallelism). Without a plan, Llama's layer names
+decide, and a model with neither is refused.
+
 The ranks of a group take the same samples and compute the same loss, so FSDP averages
 gradients over the data-parallel ranks only; the loop's scale (``world / targets``, with
 every rank counting its targets) comes out as ``data ranks / targets`` by itself.
 """
 
 import copy
+import fnmatch
 from typing import Dict, List, Optional
 
 import torch
@@ -28,6 +37,13 @@ from litft.errors import LitftError
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output feature
 ROW = ("o_proj", "down_proj")  # split by input feature, then all-reduced
 SPLIT_ADAPTER = {"column": "lora_B", "row": "lora_A"}  # the LoRA matrix split with its layer; the other stays whole
+# transformers' plan styles, as litft splits them. "gathered": the column split's output is gathered whole after the matmul;
+# "from whole": the row split slices a whole input itself. "summed": kept whole, its gradient summed over the group.
+PLAN_KINDS = {
+    "colwise": "column", "rowwise": "row", "colwise_gather_output": "column gathered", "colwise_rep": "column gathered",
+    "rowwise_split_input": "row from whole", "rowwise_rep": "row from whole", "replicated_with_grad_allreduce": "summed",
+}
+SUMMED = "_litft_grad_summed_over_tensor_parallel"  # set on modules whose parameters' gradients are partial on each rank
 
 
 def check_model(config, size: int, quantize: Optional[str] = None) -> None:
@@ -51,15 +67,26 @@ def check_model(config, size: int, quantize: Optional[str] = None) -> None:
 
     model = skeleton(config, torch.float32)
     block = transformer_blocks(model)[0]
-    if not split_layers(block):
-        raise LitftError(f"--tensor_parallel found none of {', '.join(COLUMN + ROW)} in {text.model_type}'s blocks; this model's layers are "
-                         "not named as Llama-style models name them, drop --tensor_parallel")
-    unsplit = unmatched_splits(block)
+    planned = block_plan(config)
+    if planned is not None:
+        unknown = sorted({style for style in planned.values() if style not in PLAN_KINDS})
+        if unknown:
+            raise LitftError(f"--tensor_parallel does not know the style {unknown[0]!r} of {text.model_type}'s tensor-parallel plan; "
+                             "drop --tensor_parallel")
+    kinds = split_layers(block, planned)
+    if not any(kind != "summed" for kind in kinds.values()):
+        raise LitftError(f"--tensor_parallel needs a tensor-parallel plan in the model's config or Llama-style layer names "
+                         f"({', '.join(COLUMN + ROW)}), and {text.model_type} has neither; drop --tensor_parallel")
+    unsplit = unmatched_splits(block) if planned is None else None
     if unsplit:
         raise LitftError(
             f"--tensor_parallel splits Llama-style q/k/v/o_proj and gate/up/down_proj in pairs, and {text.model_type} has {unsplit} "
-            "(fused or otherwise named projections); drop --tensor_parallel"
+            "(fused or otherwise named projections) and no tensor-parallel plan; drop --tensor_parallel"
         )
+    partial = unsummed_after_split(block, kinds)
+    if partial:
+        raise LitftError(f"--tensor_parallel splits {text.model_type}'s heads, and {partial} works on them whole-weighted with "
+                         "no plan for its gradient; drop --tensor_parallel")
     per_head = per_head_tensors(model)
     if per_head:
         raise LitftError(f"--tensor_parallel splits attention heads, and {text.model_type}'s per-head {per_head[0]} "
@@ -98,10 +125,26 @@ def one_rank_of(config, size: int):
     return config
 
 
-def split_layers(block: torch.nn.Module) -> Dict[str, str]:
-    """The block's linear layers that tensor parallel splits, by their name in the block: ``"column"`` or ``"row"``."""
+def block_plan(config) -> Optional[Dict[str, str]]:
+    """The model's tensor-parallel plan for the layers inside a block (name pattern in the block -> transformers' style),
+    or None where it has none that splits a block layer. Experts are left out: they stay whole on every rank."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    plan_of = getattr(text, "base_model_tp_plan", None) or {}
+    inside = {key.split(".*.", 1)[1]: style for key, style in plan_of.items()
+              if key.startswith("layers.*.") and "experts" not in key.split(".")}
+    return inside if any(PLAN_KINDS.get(style, "split") != "summed" for style in inside.values()) else None
+
+
+def split_layers(block: torch.nn.Module, planned: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """What tensor parallel does to the block's modules, by their name in the block: ``"column"``, ``"row"``, their
+    ``gathered``/``from whole`` forms, or ``"summed"``; from the model's plan, else from Llama's layer names."""
     found = {}
     for name, _ in block.named_modules():
+        if planned is not None:
+            style = next((style for pattern, style in planned.items() if fnmatch.fnmatchcase(name, pattern)), None)
+            if style is not None:
+                found[name] = PLAN_KINDS.get(style, style)
+            continue
         leaf = name.rsplit(".", 1)[-1]
         if leaf in COLUMN:
             found[name] = "column"
@@ -110,35 +153,76 @@ def split_layers(block: torch.nn.Module) -> Dict[str, str]:
     return found
 
 
-def plan(block: torch.nn.Module) -> dict:
-    """torch's parallelize_module plan for one block, LoRA adapters placed with their base layer."""
+def unsummed_after_split(block: torch.nn.Module, kinds: Dict[str, str]) -> Optional[str]:
+    """The first module with weights that sits beside a column split (so it sees one rank's heads) and is neither split
+    nor summed: its gradient would be one rank's part."""
+    parents = {name.rpartition(".")[0] for name, kind in kinds.items() if kind == "column"}
+    for parent in sorted(parents):
+        for child, module in block.get_submodule(parent).named_children() if parent else block.named_children():
+            name = f"{parent}.{child}" if parent else child
+            if name not in kinds and any(True for _ in module.parameters()):
+                return name
+    return None
+
+
+def style_of(kind: str):
+    """torch's parallel style for one of litft's split kinds."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+    return {
+        "column": lambda: ColwiseParallel(),
+        "row": lambda: RowwiseParallel(),
+        "column gathered": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "row from whole": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }[kind]()
+
+
+def plan(block: torch.nn.Module, kinds: Dict[str, str]) -> dict:
+    """torch's parallelize_module plan for one block, LoRA adapters placed with their base layer."""
     styles = {}
-    for name, kind in split_layers(block).items():
+    for name, kind in kinds.items():
+        if kind == "summed":
+            continue
         layer = block.get_submodule(name)
         base = getattr(layer, "base_layer", None)
         if base is None:
-            styles[name] = ColwiseParallel() if kind == "column" else RowwiseParallel()
+            styles[name] = style_of(kind)
             continue
         # peft's lora.Linear: the base and one adapter matrix split the same way, the other adapter matrix whole.
-        styles[f"{name}.base_layer"] = ColwiseParallel() if kind == "column" else RowwiseParallel()
+        styles[f"{name}.base_layer"] = style_of(kind)
         for adapter in layer.lora_A:
-            styles[f"{name}.{SPLIT_ADAPTER[kind]}.{adapter}"] = ColwiseParallel() if kind == "column" else RowwiseParallel()
+            styles[f"{name}.{SPLIT_ADAPTER[kind.split()[0]]}.{adapter}"] = style_of(kind)
     return styles
 
 
-def parallelize_block(block: torch.nn.Module, mesh) -> None:
-    """Split one filled transformer block over the 1-D tensor-parallel ``mesh``."""
+def parallelize_block(block: torch.nn.Module, mesh, config) -> None:
+    """Split one filled transformer block over the 1-D tensor-parallel ``mesh``, as the model's plan (or Llama's names) says."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = plan(block)
+    kinds = split_layers(block, block_plan(config))
+    styles = plan(block, kinds)
     if not styles:
-        raise LitftError(
-            f"--tensor_parallel found none of {', '.join(COLUMN + ROW)} in {type(block).__name__}; this model's layers are not "
-            "named as Llama-style models name them, drop --tensor_parallel"
-        )
+        raise LitftError(f"--tensor_parallel found nothing to split in {type(block).__name__}; drop --tensor_parallel")
+    for name, kind in kinds.items():
+        if kind == "summed":
+            setattr(block.get_submodule(name), SUMMED, True)
     parallelize_module(block, mesh, styles)
+
+
+def sum_partial_gradients(module: torch.nn.Module, group) -> None:
+    """Sum over the tensor-parallel group the gradients each rank holds only its heads' part of (per-head norms).
+
+    FSDP has already reduced them over the data-parallel ranks; the sum is linear, so
+    adding the local shards (laid out alike on every rank of the group) gives the
+    gradient of the whole model.
+    """
+    for sub in module.modules():
+        if getattr(sub, SUMMED, False):
+            for param in sub.parameters():
+                if param.grad is not None:
+                    grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    dist.all_reduce(grad, group=group)
 
 
 def split_over_tensor_parallel(name: str) -> bool:

@@ -24,7 +24,7 @@ from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
 from litft.strategies.base import Fill, TrainingStrategy
-from litft.tensor_parallel import clip_by_global_norm, parallelize_block, split_over_tensor_parallel
+from litft.tensor_parallel import clip_by_global_norm, parallelize_block, split_over_tensor_parallel, sum_partial_gradients
 from litft.weights import transformer_blocks
 
 
@@ -146,7 +146,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         for unit in shard_units(module.hf_model):
             self.fill(unit)  # one full unit at a time, sharded right away
             if tensor and id(unit) in blocks:
-                parallelize_block(unit, mesh["tensor"])
+                parallelize_block(unit, mesh["tensor"], module.hf_model.config)
             fully_shard(unit, **options)
         self.fill(module)
         fully_shard(module.hf_model, **options)
@@ -202,6 +202,11 @@ class FSDP(TrainingStrategy):
         module = fabric.setup_module(lm, move_to_device=not on_device)
         made = lm.configure_optimizers()
         return module, fabric.setup_optimizers(made["optimizer"]), made["lr_scheduler"]
+
+    def optimizer_step(self, module, optimizer, max_norm: Optional[float]):
+        if self.layout.tensor_parallel > 1:
+            sum_partial_gradients(module, self._fabric_strategy.device_mesh["tensor"].get_group())
+        return super().optimizer_step(module, optimizer, max_norm)
 
     def clip_gradients(self, module, optimizer, max_norm: float):
         if self.layout.tensor_parallel == 1:

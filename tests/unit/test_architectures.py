@@ -136,22 +136,53 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_anything_is_saved(folder
 
 
 def test_context_and_tensor_parallel_refuse_what_they_cannot_split(folders):
-    """Before any process starts: per-head sinks (gpt-oss) under CP and TP; fused or otherwise named projections under TP."""
+    """Before any process starts: per-head sinks (gpt-oss) under CP and TP; under TP a model with neither a plan nor Llama's
+    names, a plan style litft does not know, and a per-head norm beside split heads with no plan for its gradient."""
+    from transformers import AutoConfig
+
     from litft.context_parallel import check_heads
     from litft.tensor_parallel import check_model
 
     config = lambda name: load_config(str(folders[name]))  # noqa: E731
-    for name in ("llama", "mistral (window)", "gemma2", "qwen3-moe"):
+    for name in ("llama", "mistral (window)", "gemma2", "qwen3-moe", "qwen3", "phi3", "olmo2", "gpt-neox"):
         check_heads(config(name), 2)
         check_model(config(name), 2)
     with pytest.raises(LitftError, match="--context_parallel deals attention heads .*sinks"):
         check_heads(config("gpt-oss"), 2)
     with pytest.raises(LitftError, match="--tensor_parallel splits attention heads, and gpt_oss's per-head .*sinks"):
         check_model(config("gpt-oss"), 2)
-    with pytest.raises(LitftError, match="phi3 has self_attn.o_proj but no q_proj"):
-        check_model(config("phi3"), 2)
-    with pytest.raises(LitftError, match="found none of .* in gpt_neox's blocks"):
-        check_model(config("gpt-neox"), 2)
+    planless = config("qwen3")
+    planless.base_model_tp_plan = None  # Llama's names then split the heads, and q_norm would get one rank's gradient
+    with pytest.raises(LitftError, match="splits qwen3's heads, and self_attn.q_norm .* no plan for its gradient"):
+        check_model(planless, 2)
+    odd = config("llama")
+    odd.base_model_tp_plan = {**odd.base_model_tp_plan, "layers.*.self_attn.o_proj": "rowwise_sequence"}
+    with pytest.raises(LitftError, match="does not know the style 'rowwise_sequence'"):
+        check_model(odd, 2)
+    neither = AutoConfig.for_model("gpt_neox", **{k: v for k, v in config("gpt-neox").to_dict().items() if k != "model_type"})
+    neither.base_model_tp_plan = None
+    with pytest.raises(LitftError, match="needs a tensor-parallel plan .* and gpt_neox has neither"):
+        check_model(neither, 2)
+
+
+def test_tensor_parallel_splits_as_the_models_plan_says(folders):
+    """What each block layer becomes under TP: the plan's styles (fused projections gathered, per-head norms summed, experts
+    whole), Llama's names only where a model has no plan."""
+    from litft.tensor_parallel import block_plan, split_layers
+    from litft.weights import skeleton, transformer_blocks
+
+    def kinds(name):
+        config = load_config(str(folders[name]))
+        return split_layers(transformer_blocks(skeleton(config, torch.float32))[0], block_plan(config))
+
+    assert kinds("phi3") == {"self_attn.qkv_proj": "column gathered", "self_attn.o_proj": "row from whole",
+                             "mlp.gate_up_proj": "column gathered", "mlp.down_proj": "row from whole"}
+    assert kinds("qwen3")["self_attn.q_norm"] == kinds("qwen3")["self_attn.k_norm"] == "summed"
+    assert kinds("olmo2")["self_attn.q_proj"] == "column gathered" and kinds("olmo2")["mlp.down_proj"] == "row"
+    assert kinds("gpt-neox") == {"attention.query_key_value": "column", "attention.dense": "row", "mlp.dense_h_to_4h": "column",
+                                 "mlp.dense_4h_to_h": "row"}
+    assert not any("experts" in name for name in kinds("qwen3-moe")) and kinds("qwen3-moe")["self_attn.o_proj"] == "row"
+    assert kinds("phimoe") == {f"self_attn.{p}_proj": "row" if p == "o" else "column" for p in "qkvo"}  # its plan names experts only
 
 
 def test_router_load_balancing_loss_is_added_as_transformers_adds_it(folders, tmp_path):
