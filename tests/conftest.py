@@ -99,3 +99,14 @@ def step_losses(out_dir):
 
 def final_value(out_dir, key):
     return [row[key] for row in read_metrics(out_dir) if key in row][-1]
+
+
+def slurm_available() -> bool:
+    """Whether a SLURM controller answers here; under LITFT_REQUIRE_SLURM=1 (CI starts one with .ci/slurm.sh) its absence fails."""
+    import shutil
+
+    if shutil.which("srun") and subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0:
+        return True
+    if os.environ.get("LITFT_REQUIRE_SLURM") == "1":
+        raise AssertionError("LITFT_REQUIRE_SLURM=1 but no SLURM controller answers; run .ci/slurm.sh")
+    return False

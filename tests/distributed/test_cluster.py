@@ -1,7 +1,6 @@
 """Surviving the cluster, in real processes: a stop signal mid-run, a rank killed under torchrun, a real srun, a missing node, a launcher that disagrees with the flags."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import ROOT, read_metrics, run_cli
+from tests.conftest import ROOT, read_metrics, run_cli, slurm_available  # noqa: F401 (read by the skipif condition)
 from tests.distributed.test_sharding import free_port
 
 ARGS = [
@@ -146,14 +145,6 @@ def test_world_size_mismatch_fails_fast_with_one_line(tmp_path):
     expected = "litft: error: torchrun started 2 processes on this node but --devices is 4; pass --devices 2 (or torchrun --nproc_per_node 4)"
     assert expected in proc.stderr.splitlines()
     assert not (tmp_path / "x").exists()
-
-
-def slurm_available() -> bool:
-    if shutil.which("srun") and subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0:
-        return True
-    if os.environ.get("LITFT_REQUIRE_SLURM") == "1":  # CI starts one (.ci/slurm.sh); missing there is a failure
-        raise AssertionError("LITFT_REQUIRE_SLURM=1 but no SLURM controller answers; run .ci/slurm.sh")
-    return False
 
 
 slurm = pytest.mark.skipif("not slurm_available()", reason="no SLURM here (.ci/slurm.sh starts one)")

