@@ -17,6 +17,7 @@ from transformers.quantizers import AutoHfQuantizer
 
 from litft.config import LoraArgs, TrainArgs
 from litft.device import compute_dtype, param_dtype
+from litft.experts import use_grouped_experts
 from litft.lora import apply_lora, quantization_config
 from litft.loss import fuse_target_loss
 from litft.model import CausalLM, keep_4bit_training_layout, load_causal_lm, load_config
@@ -55,6 +56,7 @@ def build_model(
             keep_4bit_training_layout(model)
     if attention is not None:
         model.set_attn_implementation(attention)
+    use_grouped_experts(model)
     if liger:
         use_liger_kernels(model)
     with warnings.catch_warnings():

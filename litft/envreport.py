@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from litft.attention import SEGMENTS, VARLEN, choose, segments_path
+from litft.experts import CHOSEN, grouped_kernel
 from litft.selfcheck import Case, run_matrix, summary_line
 
 PACKAGES = ("litft", "torch", "lightning-fabric", "transformers", "peft", "bitsandbytes", "deepspeed", "liger-kernel", "flash-attn", "datasets", "accelerate")
@@ -68,7 +69,20 @@ def report_lines() -> List[str]:
             lines.append(f"attention     {precision:<10} -> {SEGMENTS} with {how}: {why}")
         else:
             lines.append(f"attention     {precision:<10} -> {chosen}: flash-attn is installed and takes {precision}")
+    lines.append(f"MoE experts   {experts_line(device)}")
     return lines
+
+
+def experts_line(device: str) -> str:
+    """How a mixture-of-experts model's experts would run here (litft.experts)."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return "the model's own per-expert loop (this transformers has no experts interface)"
+    if CHOSEN not in ALL_EXPERTS_FUNCTIONS:
+        return f"the model's own per-expert loop (this transformers has no {CHOSEN})"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return f"{CHOSEN} with {grouped_kernel(device, dtype)} ({dtype})".replace("torch.bfloat16", "bf16").replace("torch.float32", "fp32")
 
 
 def check_cases() -> tuple:

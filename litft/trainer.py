@@ -28,8 +28,9 @@ from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchru
 from litft.context_parallel import ContextSplit, check_heads, join_context_groups
 from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
 from litft.data.stream import StreamSource
-from litft.device import cuda_allocator_defaults, map_large_host_allocations, param_dtype, resolve_accelerator, resolve_precision
+from litft.device import compute_dtype, cuda_allocator_defaults, map_large_host_allocations, param_dtype, resolve_accelerator, resolve_precision
 from litft.errors import LitftError
+from litft.experts import describe as describe_experts
 from litft.flops import StepFlops
 from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.loop import LoopState, fit
@@ -149,6 +150,9 @@ class Trainer:
         join_context_groups(self.context, fabric.world_size)
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
         keep_rotary_fp32(self.lm)
+        experts = describe_experts(self.lm.hf_model, fabric.device.type, compute_dtype(self.precision))
+        if experts:
+            fabric.print(experts)
         model = self.lm.model
         fabric.print(
             f"{spec.job}: {sum(self.strategy.numel(p) for p in model.parameters()):,} parameters, "

@@ -103,10 +103,16 @@ def samples():
 
 
 def reference(folder, dtype=torch.float32, device="cpu"):
-    """transformers' own loss (summed over target tokens) and gradients: eager attention, each sample alone."""
+    """transformers' own loss (summed over target tokens) and gradients: eager attention and the per-expert loop, each sample
+    alone (litft trains with grouped experts: litft.experts)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").to(device).train()
+    eager = {"attn_implementation": "eager"}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, experts_implementation="eager", **eager)
+    except TypeError:  # a transformers without the experts interface: its experts are the loop already
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **eager)
+    model = model.to(device).train()
     total = 0.0
     for sample in samples():
         ids = sample["input_ids"].to(device)
@@ -118,9 +124,10 @@ def reference(folder, dtype=torch.float32, device="cpu"):
 
 def as_litft_builds_it(folder, dtype=torch.float32, device="cpu"):
     """The model as the jobs build it: meta skeleton, litft's fill block by block (as FSDP fills), litft_segments attention,
-    the fused head where it is exact."""
+    grouped experts, the fused head where it is exact."""
     from litft.attention import SEGMENTS
     from litft.config import TrainArgs
+    from litft.experts import use_grouped_experts
     from litft.loss import fuse_target_loss
     from litft.model import CausalLM, check_architecture, load_config
     from litft.weights import CheckpointWeights, Materializer, checkpoint_in_model_layout, skeleton, transformer_blocks
@@ -129,6 +136,7 @@ def as_litft_builds_it(folder, dtype=torch.float32, device="cpu"):
     check_architecture(config)
     model = skeleton(config, dtype)
     model.set_attn_implementation(SEGMENTS)
+    use_grouped_experts(model)
     fill = Materializer(model, model, CheckpointWeights(checkpoint_in_model_layout(folder, config)), 0)
     for block in reversed(transformer_blocks(model)):
         fill(block)
