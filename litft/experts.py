@@ -12,7 +12,7 @@ transformers offer it, and says so on the run's first screen and in ``litft env`
 Older transformers, without the interface, keep the model's own loop.
 """
 
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -22,9 +22,7 @@ CHOSEN = "grouped_mm"
 
 def has_experts_interface(model: torch.nn.Module) -> bool:
     """Whether the model's experts run through transformers' experts interface (so their implementation can be set)."""
-    if not hasattr(model, "set_experts_implementation"):
-        return False
-    return any(hasattr(module, "has_gate") and hasattr(module, "is_concatenated") for module in model.modules())
+    return hasattr(model, "set_experts_implementation") and any(is_experts(module) for module in model.modules())
 
 
 def grouped_kernel(device_type: str, dtype: torch.dtype) -> str:
@@ -64,3 +62,61 @@ def describe(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> Op
     chosen = model.config._experts_implementation
     how = f" with {grouped_kernel(device_type, dtype)}" if chosen == "grouped_mm" else ""
     return f"experts: {chosen}{how}"
+
+
+def is_experts(module: torch.nn.Module) -> bool:
+    """An experts module of transformers' experts interface (its forward takes the tokens and each token's top-k experts)."""
+    return hasattr(module, "has_gate") and hasattr(module, "is_concatenated")
+
+
+class ExpertLoad:
+    """Tokens routed to each expert of each MoE layer in the training forwards since the last read.
+
+    Counted on the device from the top-k indices the router hands the experts (no host
+    read per step); the loop reads and clears it at log steps. A layer's imbalance is its
+    busiest expert's tokens over the mean (1.0: even), which does not change when every
+    count is multiplied alike: ranks of a tensor-parallel group that count the same
+    tokens, or a block recomputed by activation checkpointing, leave it as it is.
+    """
+
+    def __init__(self, layers: List[torch.nn.Module]):
+        self.layers = layers
+        self.counts: Optional[torch.Tensor] = None  # (layers, experts)
+        self.handles = [layer.register_forward_pre_hook(self._counter(i), with_kwargs=True) for i, layer in enumerate(layers)]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Optional["ExpertLoad"]:
+        layers = [module for module in model.modules() if is_experts(module)]
+        return cls(layers) if layers else None
+
+    def _counter(self, position: int):
+        def count(module, args, kwargs):
+            if not module.training:
+                return
+            index = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+            if index is None:
+                return
+            experts = int(getattr(module, "num_experts", 0) or module.config.num_local_experts)
+            tokens = torch.bincount(index.reshape(-1).long(), minlength=experts)[:experts]
+            if self.counts is None:
+                self.counts = torch.zeros(len(self.layers), experts, dtype=torch.float64, device=tokens.device)
+            self.counts[position] += tokens
+
+        return count
+
+    def take(self) -> Optional[torch.Tensor]:
+        """The counts since the last take (layers x experts, on the device), or None where no training forward ran."""
+        counts, self.counts = self.counts, None
+        return counts
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def load_figures(counts: torch.Tensor) -> Dict[str, float]:
+    """The log's view of the counts (summed over every rank): the worst and the mean layer's imbalance, and idle experts."""
+    mean = counts.mean(dim=1).clamp(min=1e-12)
+    imbalance = counts.max(dim=1).values / mean
+    return {"expert_imbalance_max": float(imbalance.max()), "expert_imbalance_mean": float(imbalance.mean()),
+            "experts_idle": int((counts == 0).sum())}

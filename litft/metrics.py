@@ -17,6 +17,7 @@ from torch._dynamo.utils import calculate_time_spent
 from tqdm import tqdm
 
 from litft.config import EvalArgs, TrainArgs
+from litft.experts import load_figures
 
 
 def peak_memory_gb(device: torch.device) -> List[float]:
@@ -191,7 +192,7 @@ class StepMeter:
         if step == self.start_step:  # gradients as the step sees them; zero_grad frees them
             self.grad_bytes = self.strategy.state_bytes(lm, optimizer)["grads"]
 
-    def after_step(self, state, loss_sum: torch.Tensor, lr: float, grad_norm, batch, lm, optimizer, router_aux=None) -> dict:
+    def after_step(self, state, loss_sum: torch.Tensor, lr: float, grad_norm, batch, lm, optimizer, router_aux=None, expert_load=None) -> dict:
         """The step's metrics; only log steps read the loss and norm back from the device, and gather memory."""
         metrics = {"lr": lr, "epoch": state.epoch, "tokens": state.tokens}
         first = state.step == self.start_step + 1
@@ -202,6 +203,9 @@ class StepMeter:
             metrics["loss"] = self.fabric.all_reduce(loss_sum, reduce_op="sum").item() / max(batch.targets, 1)
             if router_aux is not None:  # MoE: the router's load-balancing loss, included in "loss", averaged over the ranks
                 metrics["router_aux_loss"] = self.fabric.all_reduce(router_aux, reduce_op="mean").item()
+            counts = expert_load.take() if expert_load is not None else None
+            if counts is not None:  # MoE: how evenly the router spread the tokens since the last log step, over every rank
+                metrics.update(load_figures(self.fabric.all_reduce(counts, reduce_op="sum")))
             if grad_norm is not None:
                 metrics["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             compiled = calculate_time_spent().get("total_wall_time", 0.0) if self.compiled else 0.0

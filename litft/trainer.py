@@ -30,6 +30,7 @@ from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
 from litft.data.stream import StreamSource
 from litft.device import compute_dtype, cuda_allocator_defaults, map_large_host_allocations, param_dtype, resolve_accelerator, resolve_precision
 from litft.errors import LitftError
+from litft.experts import ExpertLoad
 from litft.experts import describe as describe_experts
 from litft.flops import StepFlops
 from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
@@ -153,6 +154,7 @@ class Trainer:
         experts = describe_experts(self.lm.hf_model, fabric.device.type, compute_dtype(self.precision))
         if experts:
             fabric.print(experts)
+        self.expert_load = ExpertLoad.of(self.lm.hf_model)  # tokens per expert, logged as the router's balance
         model = self.lm.model
         fabric.print(
             f"{spec.job}: {sum(self.strategy.numel(p) for p in model.parameters()):,} parameters, "

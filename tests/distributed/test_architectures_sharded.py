@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.architectures import ARCHITECTURES, save_tiny
-from tests.conftest import run_cli, step_losses
+from tests.conftest import read_metrics, run_cli, step_losses
 
 COMMON = [
     "--data", "TinyTasks", "--data.num_train", "32", "--data.num_val", "8", "--train.global_batch_size", "8",
@@ -49,6 +49,9 @@ def test_sharded_runs_of_other_architectures_match_one_process(case, single, tmp
     expected, got = step_losses(reference), step_losses(tmp_path)
     assert len(got) == len(expected) == 3 and abs(got[0] - expected[0]) <= 1e-5 * abs(expected[0])
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
+    if "moe" in case:  # the router's balance summed over the ranks is the one process's (a TP group counts each token twice alike)
+        balance = lambda run: [(r["expert_imbalance_max"], r["experts_idle"]) for r in read_metrics(run) if "loss" in r]  # noqa: E731
+        assert balance(tmp_path) == pytest.approx(balance(reference), rel=1e-9) and len(balance(reference)) == 3
     ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert ours.keys() == theirs.keys()
     for key in ours:

@@ -105,6 +105,11 @@ def test_jobs_train_and_export_what_transformers_loads(job, name, folders, tmp_p
     base = AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32)
     exported = PeftModel.from_pretrained(base, result.final_dir) if job == "finetune_lora" else AutoModelForCausalLM.from_pretrained(result.final_dir)
     torch.testing.assert_close(logits(exported, ids), logits(result.model, ids), rtol=1e-4, atol=1e-5)
+    logged = [h for h in result.history if "loss" in h]
+    if "moe" in name or name == "gpt-oss":  # the router's balance is logged at each log step
+        assert all(h["expert_imbalance_max"] >= h["expert_imbalance_mean"] >= 1.0 for h in logged), logged
+    else:
+        assert not any("expert_imbalance_max" in h for h in logged)
     if job == "finetune_full":  # litft reads its own export: the first validation equals the last of the run
         again = JOBS[job](str(result.final_dir), out_dir=tmp_path / "again", **dict(
             flags, train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=1, save_interval=None),

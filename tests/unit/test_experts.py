@@ -6,8 +6,8 @@ transformers' per-expert loop, loss 1e-5 and every gradient 1e-4, for Mixtral, Q
 
 import torch
 
-from litft.experts import CHOSEN, choose, describe, grouped_kernel, use_grouped_experts
-from tests.architectures import ARCHITECTURES
+from litft.experts import CHOSEN, ExpertLoad, choose, describe, grouped_kernel, load_figures, use_grouped_experts
+from tests.architectures import ARCHITECTURES, VOCAB
 
 MOE = [a for a in ARCHITECTURES if a.refused is None and ("MoE" in a.features or a.name == "gpt-oss")]
 
@@ -43,3 +43,35 @@ def test_the_kernel_grouped_mm_runs_is_named_from_what_this_torch_and_device_tak
 
     monkeypatch.setattr(moe, "_can_use_grouped_mm", refuses)
     assert grouped_kernel("cpu", torch.float32) == "transformers' per-expert fallback"
+
+
+def test_expert_load_counts_the_routers_choices_in_training_forwards_only():
+    """Counts against the router's own top-k (read from Qwen3-MoE's router output), over two forwards; none in eval."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(next(a for a in ARCHITECTURES if a.name == "qwen3-moe").build()).train()
+    use_grouped_experts(model)
+    load = ExpertLoad.of(model)
+    routers = [layer.mlp.gate for layer in model.model.layers]
+    chosen = [[] for _ in routers]
+    for i, router in enumerate(routers):
+        router.register_forward_hook(lambda module, args, out, i=i: chosen[i].append(out[2].flatten()))
+    for seed in (1, 2):
+        model(torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(seed)))
+    experts = model.config.num_experts
+    expected = torch.stack([torch.bincount(torch.cat(c), minlength=experts) for c in chosen]).double()
+    counts = load.take()
+    assert torch.equal(counts, expected) and counts.sum() == 2 * 2 * 17 * model.config.num_experts_per_tok * len(routers)
+    assert load.take() is None
+    model.eval()
+    model(torch.randint(0, VOCAB, (1, 9)))
+    assert load.take() is None  # validation does not count
+    load.remove()
+    assert ExpertLoad.of(skeleton_of("llama")) is None
+
+
+def test_load_figures_are_the_busiest_expert_over_the_mean_per_layer():
+    counts = torch.tensor([[4.0, 4, 4, 4], [8, 0, 4, 4]])
+    assert load_figures(counts) == {"expert_imbalance_max": 2.0, "expert_imbalance_mean": 1.5, "experts_idle": 1}
+    assert load_figures(counts * 2) == load_figures(counts)  # a tensor-parallel group counting the same tokens twice
