@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from litft.experts import choose  # noqa: E402
+from litft.experts import choose, grouped_kernel  # noqa: E402
 
 
 def build(device: str, dtype: torch.dtype):
@@ -52,7 +52,7 @@ def main() -> None:
     model = build(args.device, dtype)
     ids = torch.randint(0, 4096, (max(1, args.tokens // 512), min(512, args.tokens)), device=args.device)
     reference = None
-    print(json.dumps({"device": args.device, "litft_chooses": choose(model, args.device)}), flush=True)
+    print(json.dumps({"device": args.device, "litft_chooses": choose(model), "grouped_kernel": grouped_kernel(args.device, dtype)}), flush=True)
     config = model.config
     expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * torch.finfo(dtype).bits // 8
     for name in ("eager", "grouped_mm", "batched_mm"):
