@@ -59,17 +59,16 @@ class Case:
 
     def expected(self) -> Dict[str, str]:
         """The dtypes this case must show: attention's compute and input, and the checkpoint's trained tensors."""
-        from litft.strategies import DeepSpeed, FSDP, SingleDevice
+        from litft.strategies import DDP, FSDP, DeepSpeed, SingleDevice
 
         low = self.precision.startswith("bf16")
-        deepspeed = self.strategy.startswith("zero")
-        strategy = DeepSpeed if deepspeed else FSDP if self.strategy == "fsdp" else SingleDevice
-        frozen_low = self.precision == "bf16-true" or (low and (deepspeed or strategy.frozen_base_dtype(self.precision) is not None))
+        strategy = DeepSpeed if self.strategy.startswith("zero") else {"fsdp": FSDP, "ddp": DDP}.get(self.strategy, SingleDevice)
+        name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
         return {
             "attention": "bfloat16" if low else "float32",
             "attention input": "bfloat16" if self.precision == "bf16-true" else "any",
-            "saved": "bfloat16" if self.precision == "bf16-true" and not deepspeed else "float32",
-            "frozen": ("bfloat16" if frozen_low else "float32") if self.job_function == "finetune_lora" else "none",
+            "saved": name(strategy.saved_dtype(self.precision)),
+            "frozen": name(strategy.frozen_dtype(self.precision)) if self.job_function == "finetune_lora" else "none",
         }
 
     def flags(self, out_dir: Path, accelerator: str, world: int) -> dict:

@@ -92,6 +92,16 @@ class TrainingStrategy:
         """
         return compute_dtype(precision) if precision.endswith("-mixed") else None
 
+    @classmethod
+    def frozen_dtype(cls, precision: str) -> torch.dtype:
+        """Where a LoRA base lives under ``precision``: its own dtype where it differs, else the trained weights'."""
+        return cls.frozen_base_dtype(precision) or param_dtype(precision)
+
+    @classmethod
+    def saved_dtype(cls, precision: str) -> torch.dtype:
+        """The dtype a checkpoint stores the trained weights in: the weights' own (bf16 under bf16-true, fp32 masters else)."""
+        return param_dtype(precision)
+
     @property
     def gathers_weights(self) -> bool:
         """Whether each rank gathers whole weights for a use and drops them after (FSDP, ZeRO-3): the transients that

@@ -237,6 +237,14 @@ class DeepSpeed(TrainingStrategy):
         """None: the whole module, base and adapters, is already in the compute dtype (``model_dtype``)."""
         return None
 
+    @classmethod
+    def frozen_dtype(cls, precision: str) -> torch.dtype:
+        return compute_dtype(precision)  # the whole module is in the compute dtype (model_dtype)
+
+    @classmethod
+    def saved_dtype(cls, precision: str) -> torch.dtype:
+        return torch.float32  # ZeRO's fp32 masters, whatever the module's dtype
+
     @property
     def model_dtype(self) -> torch.dtype:
         """bf16/fp16 under both bf16 (or fp16) precisions: ZeRO runs a low-precision module and keeps fp32 masters itself.
