@@ -281,7 +281,10 @@ class DeepSpeed(TrainingStrategy):
     def optimizer_step(self, module, optimizer, max_norm: Optional[float]):
         if self.stage > 0:
             optimizer.step()  # ZeRO clips inside its step, from gradient_clipping in its config
-            norm = self.fabric.strategy.model.get_global_grad_norm()
+            engine = self.fabric.strategy.model
+            # The engine copies its ZeRO optimizer's norm only in its own step(), which Fabric's optimizer step bypasses.
+            norm = engine.get_global_grad_norm()
+            norm = getattr(engine.optimizer, "_global_grad_norm", None) if norm is None else norm
         else:
             # Stage 0 holds whole, already averaged gradients; its own clipping did not take
             # effect in our runs (losses equalled unclipped ones), so clip them here.

@@ -49,6 +49,8 @@ def test_sharded_runs_of_other_architectures_match_one_process(case, single, tmp
     expected, got = step_losses(reference), step_losses(tmp_path)
     assert len(got) == len(expected) == 3 and abs(got[0] - expected[0]) <= 1e-5 * abs(expected[0])
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
+    norms = lambda run: [r["grad_norm"] for r in read_metrics(run) if "loss" in r]  # noqa: E731 (logged under every strategy)
+    assert norms(tmp_path) == pytest.approx(norms(reference), rel=1e-4) and len(norms(reference)) == 3
     if "moe" in case:  # the router's balance summed over the ranks is the one process's (a TP group counts each token twice alike)
         balance = lambda run: [(r["expert_imbalance_max"], r["experts_idle"]) for r in read_metrics(run) if "loss" in r]  # noqa: E731
         assert balance(tmp_path) == pytest.approx(balance(reference), rel=1e-9) and len(balance(reference)) == 3
