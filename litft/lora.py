@@ -5,6 +5,7 @@ compiler (seconds on every process start), which a run without LoRA never needs.
 """
 
 import dataclasses
+import warnings
 from typing import Optional
 
 import torch
@@ -45,7 +46,10 @@ def expert_lora_config(config, lora: LoraArgs):
 
     from litft.weights import skeleton
 
-    probe = get_peft_model(skeleton(config, torch.float32), peft_config(dataclasses.replace(lora, dropout=0.0)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match", category=RuntimeWarning)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # peft's old name
+        probe = get_peft_model(skeleton(config, torch.float32), peft_config(dataclasses.replace(lora, dropout=0.0)))
     resolved = probe.peft_config["default"]
     return LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=sorted(resolved.target_modules or []),
@@ -64,16 +68,24 @@ def apply_lora(model, lora: LoraArgs):
         param.requires_grad_(False)
     from peft import get_peft_model
 
-    try:
-        return get_peft_model(model, peft_config(lora))
-    except ValueError as err:
-        if lora.dropout == 0 or "lora_dropout" not in str(err):
+    from litft.experts import is_experts
+
+    if not any(is_experts(module) for module in model.modules()):
+        try:
+            return get_peft_model(model, peft_config(lora))
+        except ValueError as err:
             raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
     # MoE experts stored as one 3-D tensor per layer take adapters through peft's ParamWrapper, which has no dropout:
     # adapters are added without it, then every adapter on an ordinary layer gets the dropout back.
-    peft_model = get_peft_model(model, expert_lora_config(model.config, lora))
     if lora.writes_merged:
         raise LitftError("--export merged cannot yet fold adapters into MoE experts' 3-D tensors; use --export adapter (peft loads it onto the model)")
+    try:
+        with warnings.catch_warnings():
+            # peft's own all-linear patterns name the fused gate_up_proj, which ParamWrapper targets by parameter instead.
+            warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match", category=RuntimeWarning)
+            peft_model = get_peft_model(model, expert_lora_config(model.config, lora))
+    except ValueError as err:
+        raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
     for module in peft_model.modules():
         dropouts = getattr(module, "lora_dropout", None)
         if isinstance(dropouts, torch.nn.ModuleDict) and type(module).__name__ != "ParamWrapper":

@@ -75,3 +75,22 @@ def test_load_figures_are_the_busiest_expert_over_the_mean_per_layer():
     counts = torch.tensor([[4.0, 4, 4, 4], [8, 0, 4, 4]])
     assert load_figures(counts) == {"expert_imbalance_max": 2.0, "expert_imbalance_mean": 1.5, "experts_idle": 1}
     assert load_figures(counts * 2) == load_figures(counts)  # a tensor-parallel group counting the same tokens twice
+
+
+def test_lora_on_a_moe_model_is_added_once_and_bad_targets_are_one_line():
+    """Experts take adapters in one pass (no failed first try left inside the model), and targets that match nothing are refused."""
+    import warnings
+
+    import pytest
+
+    from litft.config import LoraArgs
+    from litft.errors import LitftError
+    from litft.lora import apply_lora
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # peft warns when a model is modified twice, and about its own unmatched patterns
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # build_model's filter
+        wrapped = apply_lora(skeleton_of("qwen3-moe"), LoraArgs())
+    assert any(type(m).__name__ == "ParamWrapper" for m in wrapped.modules())
+    with pytest.raises(LitftError, match="--lora_target_modules nothing_here does not fit this model"):
+        apply_lora(skeleton_of("qwen3-moe"), LoraArgs(target_modules="nothing_here"))
