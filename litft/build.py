@@ -8,7 +8,6 @@ quantizes a unit at a time as it fills (ZeRO-3); the estimate, and that strategy
 put the same 4-bit layers in place without weights.
 """
 
-import warnings
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -18,7 +17,7 @@ from transformers.quantizers import AutoHfQuantizer
 from litft.config import LoraArgs, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.experts import use_grouped_experts
-from litft.lora import apply_lora, quantization_config
+from litft.lora import apply_lora, quantization_config, quiet_peft
 from litft.loss import fuse_target_loss
 from litft.model import CausalLM, keep_4bit_training_layout, load_causal_lm, load_config
 from litft.strategies.base import Fill, TrainingStrategy
@@ -59,10 +58,7 @@ def build_model(
     use_grouped_experts(model)
     if liger:
         use_liger_kernels(model)
-    with warnings.catch_warnings():
-        # peft uses transformers' old names for checkpointing (is_gradient_checkpointing, gradient_checkpointing_enable),
-        # which transformers 5 renamed; advice for peft, not the user.
-        warnings.filterwarnings("ignore", message=".*(is_gradient_checkpointing|gradient_checkpointing_enable).*", category=FutureWarning)
+    with quiet_peft():  # peft calls transformers' old checkpointing names: advice for peft, not the user
         if gradient_checkpointing:
             enable_checkpointing(model)
         if lora is not None:

@@ -81,8 +81,8 @@ def experts_line(device: str) -> str:
         return "the model's own per-expert loop (this transformers has no experts interface)"
     if CHOSEN not in ALL_EXPERTS_FUNCTIONS:
         return f"the model's own per-expert loop (this transformers has no {CHOSEN})"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return f"{CHOSEN} with {grouped_kernel(device, dtype)} ({dtype})".replace("torch.bfloat16", "bf16").replace("torch.float32", "fp32")
+    dtype, name = (torch.bfloat16, "bf16") if device == "cuda" else (torch.float32, "fp32")
+    return f"{CHOSEN} with {grouped_kernel(device, dtype)} ({name})"
 
 
 def check_cases() -> tuple:

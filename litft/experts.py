@@ -16,7 +16,6 @@ from typing import Dict, List, Optional
 
 import torch
 
-IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 CHOSEN = "grouped_mm"
 
 

@@ -4,6 +4,7 @@ peft is imported where it is used: it imports bitsandbytes and, through it, much
 compiler (seconds on every process start), which a run without LoRA never needs.
 """
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Optional
@@ -13,6 +14,7 @@ from transformers import BitsAndBytesConfig
 
 from litft.config import QUANTIZE_CHOICES, LoraArgs
 from litft.errors import LitftError
+from litft.experts import is_experts
 
 
 def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype) -> Optional[BitsAndBytesConfig]:
@@ -35,6 +37,16 @@ def peft_config(lora: LoraArgs):
     )
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """peft's advice for itself, kept off the run's screen: its all-linear patterns name the fused gate_up_proj that
+    ParamWrapper targets by parameter instead, and it calls transformers' old checkpointing names."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match", category=RuntimeWarning)
+        warnings.filterwarnings("ignore", message=".*(is_gradient_checkpointing|gradient_checkpointing_enable).*", category=FutureWarning)
+        yield
+
+
 def expert_lora_config(config, lora: LoraArgs):
     """peft's config for a model whose targets include MoE experts' 3-D tensors, resolved once on a meta copy and sorted.
 
@@ -46,9 +58,7 @@ def expert_lora_config(config, lora: LoraArgs):
 
     from litft.weights import skeleton
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match", category=RuntimeWarning)
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # peft's old name
+    with quiet_peft():
         probe = get_peft_model(skeleton(config, torch.float32), peft_config(dataclasses.replace(lora, dropout=0.0)))
     resolved = probe.peft_config["default"]
     return LoraConfig(
@@ -68,8 +78,6 @@ def apply_lora(model, lora: LoraArgs):
         param.requires_grad_(False)
     from peft import get_peft_model
 
-    from litft.experts import is_experts
-
     if not any(is_experts(module) for module in model.modules()):
         try:
             return get_peft_model(model, peft_config(lora))
@@ -80,9 +88,7 @@ def apply_lora(model, lora: LoraArgs):
     if lora.writes_merged:
         raise LitftError("--export merged cannot yet fold adapters into MoE experts' 3-D tensors; use --export adapter (peft loads it onto the model)")
     try:
-        with warnings.catch_warnings():
-            # peft's own all-linear patterns name the fused gate_up_proj, which ParamWrapper targets by parameter instead.
-            warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match", category=RuntimeWarning)
+        with quiet_peft():
             peft_model = get_peft_model(model, expert_lora_config(model.config, lora))
     except ValueError as err:
         raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
