@@ -52,8 +52,8 @@ def test_sharded_runs_of_other_architectures_match_one_process(case, single, tmp
     norms = lambda run: [r["grad_norm"] for r in read_metrics(run) if "loss" in r]  # noqa: E731 (logged under every strategy)
     assert norms(tmp_path) == pytest.approx(norms(reference), rel=1e-4) and len(norms(reference)) == 3
     if "moe" in case:  # the router's balance summed over the ranks is the one process's (a TP group counts each token twice alike)
-        balance = lambda run: [(r["expert_imbalance_max"], r["experts_idle"]) for r in read_metrics(run) if "loss" in r]  # noqa: E731
-        assert balance(tmp_path) == pytest.approx(balance(reference), rel=1e-9) and len(balance(reference)) == 3
+        balance = lambda run: [r[key] for key in ("expert_imbalance_max", "experts_idle") for r in read_metrics(run) if "loss" in r]  # noqa: E731
+        assert balance(tmp_path) == pytest.approx(balance(reference), rel=1e-9) and len(balance(reference)) == 6
     ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert ours.keys() == theirs.keys()
     for key in ours:
