@@ -18,10 +18,11 @@ from jsonargparse import CLI, ArgumentParser, set_parsing_settings  # noqa: E402
 import litft.data  # noqa: E402,F401  (registers the --data choices)
 from litft.chat import chat, generate  # noqa: E402
 from litft.checkpoint.convert import convert, merge_lora  # noqa: E402
+from litft.config import OBJECTIVES  # noqa: E402
 from litft.envreport import env  # noqa: E402
 from litft.errors import LitftError  # noqa: E402
 from litft.estimate import estimate  # noqa: E402
-from litft.jobs import DEFAULT_DATA_FLAGS, JOBS  # noqa: E402
+from litft.jobs import DEFAULT_DATA_FLAGS, JOBS, PREFERENCE_DATA_FLAGS  # noqa: E402
 from litft.launchers import without_local_rank_argument  # noqa: E402
 from litft.ray_worker import die_with_parent, inside_worker  # noqa: E402
 
@@ -57,7 +58,25 @@ def default_data_named(argv: List[str]) -> List[str]:
     named = any(word == "--data" or word.startswith(("--data=", "--config")) for word in argv)
     if not argv or argv[0] not in DEFAULT_DATA_FLAGS or not options or named:
         return argv
-    return [*argv[: options[0]], *DEFAULT_DATA_FLAGS[argv[0]], *argv[options[0]:]]
+    named_objective = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--objective.name"]
+    named_objective += [word.split("=", 1)[1] for word in argv if word.startswith("--objective.name=")]
+    preference = bool(named_objective) and named_objective[-1] != "sft"
+    default = PREFERENCE_DATA_FLAGS if preference else DEFAULT_DATA_FLAGS[argv[0]]
+    return [*argv[: options[0]], *default, *argv[options[0]:]]
+
+
+def objective_named(argv: List[str]) -> List[str]:
+    """``--objective dpo`` (or ``--objective=dpo``) as ``--objective.name dpo``: the objective's name is its group's one plain value."""
+    out = []
+    for i, word in enumerate(argv):
+        name = word.split("=", 1)[1] if word.startswith("--objective=") else None
+        if name is not None and not name.lstrip().startswith(("{", "[")) and not name.endswith((".yaml", ".yml", ".json")):
+            out += ["--objective.name", name]
+        elif word == "--objective" and i + 1 < len(argv) and argv[i + 1] in OBJECTIVES:
+            out.append("--objective.name")
+        else:
+            out.append(word)
+    return out
 
 
 def boolean_flags(function) -> set:
@@ -131,7 +150,7 @@ def main(argv=None) -> None:
     configure_jsonargparse()
     try:
         argv = model_by_position(without_local_rank_argument(sys.argv[1:] if argv is None else list(argv)), parser_jobs())
-        argv = bare_booleans(default_data_named(argv), parser_jobs())
+        argv = bare_booleans(default_data_named(objective_named(argv)), parser_jobs())
         CLI(parser_jobs(), args=argv, as_positional=True, parser_class=OneLineErrors, prog="litft")
     except LitftError as err:
         # One write, line and newline together: every rank says it on a shared stderr, and print's two writes

@@ -14,7 +14,7 @@ import torch
 
 from transformers.quantizers import AutoHfQuantizer
 
-from litft.config import LoraArgs, TrainArgs
+from litft.config import LoraArgs, ObjectiveArgs, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.experts import use_grouped_experts
 from litft.lora import apply_lora, quantization_config, quiet_peft
@@ -90,7 +90,7 @@ def use_liger_kernels(model) -> None:
 
 def build_module(
     source: str, precision: str, lora: Optional[LoraArgs], train: TrainArgs, total_steps: int, *, random_init: bool, seed: int, device,
-    strategy: TrainingStrategy, attention: Optional[str] = None, compile: bool = False, liger: bool = False,
+    strategy: TrainingStrategy, attention: Optional[str] = None, compile: bool = False, liger: bool = False, objective: Optional[ObjectiveArgs] = None,
 ) -> Tuple[CausalLM, Fill, bool]:
     """The CausalLM module, the fill that gives its tensors their first values, and whether it is already on ``device``.
 
@@ -105,7 +105,7 @@ def build_module(
         attention=attention, structure=skeleton if quantized else strategy.structure, liger=liger, dtype=strategy.model_dtype,
         frozen_dtype=strategy.frozen_base_dtype(precision),
     )
-    lm = CausalLM(model, train, total_steps=total_steps)
+    lm = CausalLM(model, train, total_steps=total_steps, objective=objective)
     if compile:
         # Each block on its own, before any strategy wraps or shards it; compiled lazily, at its first call.
         for block in transformer_blocks(lm.hf_model):

@@ -216,6 +216,63 @@ class LoraArgs:
         return self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
 
 
+OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo")
+# Each objective's beta where --objective.beta is left out: DPO's and IPO's papers' 0.1, SimPO's 2.0, ORPO's lambda 0.1.
+DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
+
+
+@dataclass
+class ObjectiveArgs:
+    """What a fine-tuning step optimizes: the next-token loss (sft) or a preference objective on chosen/rejected pairs."""
+
+    name: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = "sft"
+    """sft: cross-entropy of the response tokens; dpo, ipo: against a reference model; simpo, orpo: reference-free (also --objective NAME)."""
+    beta: Optional[float] = None
+    """Strength of the preference term: DPO/IPO's beta (default 0.1), SimPO's beta (2.0), ORPO's lambda on the odds-ratio term (0.1)."""
+    label_smoothing: float = 0.0
+    """DPO and SimPO: the assumed share of pairs whose labels are flipped (conservative DPO); 0 for the plain loss."""
+    gamma: float = 0.5
+    """SimPO: the target reward margin subtracted from beta times the difference of mean log-probs."""
+    precompute_reference: Optional[bool] = None
+    """DPO/IPO: score every pair with the initial model once before training and keep only those log-probs (stored with the checkpoints); default: true for finetune_full, false under LoRA (the reference is the base with the adapter switched off)."""
+
+    @property
+    def preference(self) -> bool:
+        return self.name != "sft"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.name in ("dpo", "ipo")
+
+    @property
+    def strength(self) -> float:
+        return DEFAULT_BETA[self.name] if self.beta is None else self.beta
+
+    def check(self, lora: bool) -> None:
+        if self.name not in OBJECTIVES:
+            raise LitftError(f"--objective {self.name} is unknown; choose one of {', '.join(OBJECTIVES)}")
+        positive(self.beta, "--objective.beta", "the strength of the preference term", nullable="for the objective's default")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise LitftError(f"--objective.label_smoothing is the share of flipped labels in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.name not in ("dpo", "simpo"):
+            raise LitftError(f"--objective.label_smoothing applies to dpo and simpo, not {self.name}; drop it")
+        if not math.isfinite(self.gamma):
+            raise LitftError(f"--objective.gamma must be a finite number, got {self.gamma}")
+        if self.precompute_reference and not self.uses_reference:
+            raise LitftError(f"--objective {self.name} uses no reference model; drop --objective.precompute_reference")
+        if self.uses_reference and not lora and self.precompute_reference is False:
+            raise LitftError(
+                f"--objective {self.name} under finetune_full takes its reference log-probs from a scoring pass before training "
+                "(a frozen second copy of the model is not built); drop --objective.precompute_reference false"
+            )
+
+    def reference_precomputed(self, lora: bool) -> bool:
+        """Whether the reference log-probs come from a pass before training (else from the base with the adapter off)."""
+        if not self.uses_reference:
+            return False
+        return not lora if self.precompute_reference is None else self.precompute_reference
+
+
 @dataclass
 class Layout:
     """Where a run's processes are and how they share the model: the strategy and its option groups."""

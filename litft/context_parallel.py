@@ -113,8 +113,31 @@ def slice_batch(batch: dict, place: int, size: int) -> dict:
         "input_ids": input_ids[:, mine_only].contiguous(), "position_ids": position_ids[:, mine_only].contiguous(),
         "labels": labels[:, mine_only].contiguous(),
         "varlen": {**cumulative_lengths(position_ids), MARK: size},
-        "targets": {"index": row[mine] * part + column[mine] - start, "labels": targets["labels"][mine]},
+        "targets": {
+            **{key: value[mine] for key, value in targets.items()},  # the labels, and each target's sequence for preference pairs
+            "index": row[mine] * part + column[mine] - start,
+        },
+        **({"pairs": batch["pairs"] if place == 0 else 0} if "pairs" in batch else {}),  # counted once per group
     }
+
+
+def group_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor`` over this rank's context group, with its gradient: per-sequence sums of slices become whole."""
+    return _GroupSum.apply(tensor)
+
+
+class _GroupSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        out = tensor.clone()
+        dist.all_reduce(out, group=_group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=_group)
+        return grad
 
 
 def _exchange(tensor: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, List, Literal, Optional, Union
 
-from litft.config import Accelerator, DeepSpeedArgs, EvalArgs, FSDPArgs, Precision, Quantize, StrategyName, TrainArgs
+from litft.config import Accelerator, DeepSpeedArgs, EvalArgs, FSDPArgs, ObjectiveArgs, Precision, Quantize, StrategyName, TrainArgs
 from litft.data.base import DataModule
 from litft.data.sft import PromptStyle
 from litft.tiny import TINY_NAME
@@ -112,6 +112,11 @@ EXPORT = Flag(
     "export", Literal["adapter", "merged", "both", "none"], "adapter",
     "What the run writes at its end: the adapter as a peft folder (out_dir/final-adapter, megabytes), the merged model as a "
     "Hugging Face folder (out_dir/final, the whole model's size), both, or none (the checkpoints only; litft convert writes either later).",
+)
+OBJECTIVE = Flag(
+    "objective", ObjectiveArgs, ObjectiveArgs(),
+    "What the step optimizes: sft (the response tokens' cross-entropy), or a preference objective on chosen/rejected pairs: dpo, ipo "
+    "(against a reference model), simpo, orpo (reference-free); --objective dpo --objective.beta 0.1. Preference data default: TinyPreferences.",
 )
 TRAIN = Flag("train", TrainArgs, TrainArgs(), "Batch, schedule and run length.")
 EVAL = Flag("eval", EvalArgs, EvalArgs(), "Validation cadence and scoring.")

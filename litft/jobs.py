@@ -11,7 +11,7 @@ from typing import Optional
 from litft.config import EvalArgs, TrainArgs
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
-from litft.flags import DATA, EVAL, LAUNCHER, LORA, MODEL, MODEL_OPTIONS, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, WATCHING, Flag, command
+from litft.flags import DATA, EVAL, LAUNCHER, LORA, MODEL, MODEL_OPTIONS, OBJECTIVE, OUT_DIR, PARALLEL, RUN_CONTROL, SEED, TRAIN, WATCHING, Flag, command
 from litft.ray_launch import run_on_ray
 from litft.ray_worker import inside_worker
 from litft.spec import RunResult, RunSpec
@@ -35,7 +35,7 @@ def start(spec: RunSpec) -> RunResult:
 FINETUNE_TRAIN = dict(micro_batch_size=8, warmup_steps=20)
 
 
-@command(_job_flags("out/finetune_full", TrainArgs(**FINETUNE_TRAIN, learning_rate=3e-3), EvalArgs(interval=200)))
+@command(_job_flags("out/finetune_full", TrainArgs(**FINETUNE_TRAIN, learning_rate=3e-3), EvalArgs(interval=200), middle=(OBJECTIVE,)))
 def finetune_full(**flags) -> RunResult:
     """Train all weights of a causal LM on instruction data; the result lands in out_dir/final."""
     return start(RunSpec.from_flags("finetune_full", flags))
@@ -46,7 +46,7 @@ LORA_HELP = dict(
 )
 
 
-@command(_job_flags("out/finetune_lora", TrainArgs(**FINETUNE_TRAIN, learning_rate=1e-3), EvalArgs(interval=200), middle=LORA, **LORA_HELP))
+@command(_job_flags("out/finetune_lora", TrainArgs(**FINETUNE_TRAIN, learning_rate=1e-3), EvalArgs(interval=200), middle=(*LORA, OBJECTIVE), **LORA_HELP))
 def finetune_lora(**flags) -> RunResult:
     """Train LoRA adapters on a frozen causal LM; out_dir/final-adapter holds them (out_dir/final the merged model with --export merged or both)."""
     return start(RunSpec.from_flags("finetune_lora", flags))
@@ -91,3 +91,4 @@ DEFAULT_DATA_FLAGS = {
     "finetune_lora": ["--data", "TinyTasks"],
     "finetune_full": ["--data", "TinyTasks"],
 }
+PREFERENCE_DATA_FLAGS = ["--data", "TinyPreferences"]  # the fine-tuning jobs' default data under a preference objective

@@ -17,6 +17,7 @@ import torch
 from litft.errors import LitftError
 from litft.evaluation import score, validate
 from litft.model import target_tokens
+from litft.preference import figures_of
 
 
 @dataclass
@@ -134,7 +135,7 @@ def train_step(trainer, batch: StepBatch) -> None:
     state.tokens, state.samples = state.tokens + batch.tokens, state.samples + batch.samples
     # The loss and the norm stay on the device until a log step reads them.
     metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer, router_aux=trainer.lm.take_router_aux(),
-                                    expert_load=trainer.expert_load)
+                                    expert_load=trainer.expert_load, preference=trainer.lm.take_preference_figures())
     if "loss" in metrics and not math.isfinite(metrics["loss"]):  # a log step's loss is the global one: every rank stops here
         raise not_finite(float(state.first_nonfinite) if math.isfinite(float(state.first_nonfinite)) else state.step)
     state.history.append(metrics)
@@ -173,7 +174,11 @@ def validate_and_log(trainer, scoring: bool) -> None:
             fabric, trainer.module, data, spec.train.micro_batch_size, spec.eval.max_batches, trainer.tokenizer.pad_token_id, trainer.padding_free,
             trainer.context,
         )
-        metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50))
+        figures = trainer.lm.take_preference_figures()
+        if figures is None:
+            metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50))
+        else:  # a preference objective: how often held-out pairs are ranked right, and by how much
+            metrics.update(figures_of(fabric.all_reduce(figures, reduce_op="sum"), prefix="val_"))
     if scoring and spec.eval.score_samples:
         prompts = data.scoring[: spec.eval.score_samples]
         metrics["val_score"] = score(fabric, trainer.module, prompts, trainer.tokenizer, spec.eval.max_new_tokens, tensor=trainer.context.tensor)

@@ -68,6 +68,54 @@ class TargetCrossEntropy(torch.autograd.Function):
         return scale(grad_hidden), scale(grad_weight), scale(grad_bias), None, None
 
 
+class TargetLogProbs(torch.autograd.Function):
+    """log p(target) of each token under ``hidden @ weight.T + bias``, a chunk of tokens at a time.
+
+    A preference objective weighs each token's log-prob by its sequence's gradient, known only after every sequence
+    is summed: so the forward keeps no logits and the backward computes each chunk's again (one more head matmul
+    than ``TargetCrossEntropy``, and still no full-vocabulary logits alive).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, rows: int):
+        out = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], rows):
+            logits = F.linear(hidden[start : start + rows], weight, bias).float()
+            y = targets[start : start + rows]
+            out[start : start + rows] = logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.rows = rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        grads = ctx.needs_input_grad
+        grad_hidden = torch.empty_like(hidden) if grads[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads[1] else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and grads[2] else None
+        for start in range(0, hidden.shape[0], ctx.rows):
+            h, y, g_out = hidden[start : start + ctx.rows], targets[start : start + ctx.rows], grad_output[start : start + ctx.rows].float()
+            # d log softmax[y] / d logits = one_hot(y) - softmax, scaled by each token's incoming gradient
+            g = torch.softmax(F.linear(h, weight, bias).float(), dim=-1).mul_(-g_out[:, None])
+            g[torch.arange(len(y), device=y.device), y] += g_out
+            if grad_bias is not None:
+                grad_bias += g.sum(0)
+            g = g.to(h.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + ctx.rows] = g @ weight
+            if grad_weight is not None:
+                grad_weight += (g.t() @ h).float()
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None
+
+
+def target_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], index: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probs of the tokens at ``index`` (flat positions in the batch) predicting ``labels``, one per token."""
+    flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+    return TargetLogProbs.apply(flat, weight, bias, labels, chunk_rows(weight.shape[0]))
+
+
 def target_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], index: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed loss of the tokens at ``index`` (flat positions in the batch) predicting ``labels``."""
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
@@ -75,11 +123,11 @@ def target_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 
 def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-    """The head, or, while ``self.loss_targets`` is set by the step, the summed loss of the target tokens."""
+    """The head, or, while ``self.loss_targets`` is set by the step, the summed loss of the target tokens (their log-probs, per token)."""
     if self.loss_targets is None:
         return F.linear(hidden, self.weight, self.bias)
-    index, labels = self.loss_targets
-    return target_loss(hidden, self.weight, self.bias, index, labels)
+    index, labels, per_token = self.loss_targets
+    return (target_log_probs if per_token else target_loss)(hidden, self.weight, self.bias, index, labels)
 
 
 def head_feeds_loss_unchanged(hf_model) -> bool:

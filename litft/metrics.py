@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from litft.config import EvalArgs, TrainArgs
 from litft.experts import load_figures
+from litft.preference import figures_of
 
 
 def peak_memory_gb(device: torch.device) -> List[float]:
@@ -150,6 +151,8 @@ class Progress:
         if not self.enabled:
             return
         text = f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:,.0f} tok/s"
+        if "preference_accuracy" in metrics:
+            text = f"loss {metrics['loss']:.4f} | acc {metrics['preference_accuracy']:.2f} | margin {metrics['reward_margin']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s"
         if "mfu" in metrics:
             text += f" | MFU {metrics['mfu']:.1%}"
         elif "tflops_per_s_per_device" in metrics:
@@ -192,7 +195,8 @@ class StepMeter:
         if step == self.start_step:  # gradients as the step sees them; zero_grad frees them
             self.grad_bytes = self.strategy.state_bytes(lm, optimizer)["grads"]
 
-    def after_step(self, state, loss_sum: torch.Tensor, lr: float, grad_norm, batch, lm, optimizer, router_aux=None, expert_load=None) -> dict:
+    def after_step(self, state, loss_sum: torch.Tensor, lr: float, grad_norm, batch, lm, optimizer, router_aux=None, expert_load=None,
+                   preference=None) -> dict:
         """The step's metrics; only log steps read the loss and norm back from the device, and gather memory."""
         metrics = {"lr": lr, "epoch": state.epoch, "tokens": state.tokens}
         first = state.step == self.start_step + 1
@@ -206,6 +210,8 @@ class StepMeter:
             counts = expert_load.take() if expert_load is not None else None
             if counts is not None:  # MoE: how evenly the router spread the tokens since the last log step, over every rank
                 metrics.update(load_figures(self.fabric.all_reduce(counts, reduce_op="sum")))
+            if preference is not None:  # a preference objective's rewards, margin, accuracy and log-probs, per pair of the step
+                metrics.update(figures_of(self.fabric.all_reduce(preference, reduce_op="sum")))
             if grad_norm is not None:
                 metrics["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             compiled = calculate_time_spent().get("total_wall_time", 0.0) if self.compiled else 0.0

@@ -2,17 +2,19 @@
 
 import math
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from litft.attention import PACKED_SAFE, SEGMENTS
-from litft.config import TrainArgs
+from litft.config import ObjectiveArgs, TrainArgs
 from litft.data.base import targets_of
 from litft.errors import LitftError
+from litft.context_parallel import MARK, group_sum
 from litft.loss import fused_head
+from litft.preference import preference_loss, sequence_sums
 from litft.tiny import TINY_NAME, ensure_tiny_model
 
 
@@ -164,12 +166,14 @@ class CausalLM(torch.nn.Module):
     the same however the batch is split over ranks and micro-batches.
     """
 
-    def __init__(self, model: torch.nn.Module, train: TrainArgs, total_steps: int = 1):
+    def __init__(self, model: torch.nn.Module, train: TrainArgs, total_steps: int = 1, objective: Optional[ObjectiveArgs] = None):
         super().__init__()
         self.model = model
         self.train_args = train
         self.total_steps = total_steps
+        self.objective = objective or ObjectiveArgs()
         self.router_aux: list = []  # this step's router load-balancing losses (MoE), read and cleared by the loop
+        self.preference_figures: list = []  # each micro-batch's summed preference figures (litft.preference.STATS), on the device
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -193,6 +197,53 @@ class CausalLM(torch.nn.Module):
         aux = getattr(out, "aux_loss", None)
         return out.logits if aux is None else (out.logits, aux)
 
+    def token_log_probs(self, batch: dict) -> torch.Tensor:
+        """Log-prob of each target token, by the head on targets only where it can (no full-vocabulary logits kept)."""
+        head, targets = fused_head(self.hf_model), batch["targets"]
+        if head is not None:
+            head.loss_targets = (targets["index"], targets["labels"], True)
+            try:
+                out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
+            finally:
+                head.loss_targets = None
+            return out[0] if isinstance(out, tuple) else out
+        out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
+        logits = out[0] if isinstance(out, tuple) else out
+        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, targets["index"]).float()
+        return torch.log_softmax(picked, dim=-1).gather(1, targets["labels"][:, None]).squeeze(1)
+
+    def sequence_log_probs(self, batch: dict) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Summed log-probs and token counts of each pair's chosen and rejected response, (pairs, 2) each; whole under context parallel."""
+        pairs = len(batch["ids"])
+        sums, counts = sequence_sums(self.token_log_probs(batch), batch["targets"]["sequence"], pairs)
+        if MARK in (batch.get("varlen") or {}):  # each rank of a context group holds a slice of every sequence
+            sums, counts = group_sum(sums), group_sum(counts.detach())
+        return sums, counts
+
+    def reference_log_probs(self, batch: dict) -> torch.Tensor:
+        """The reference model's summed log-probs per pair: scored before training, or the base with the adapter switched off."""
+        if "reference" in batch:
+            return batch["reference"].float()
+        with torch.no_grad(), self.model.disable_adapter():
+            return self.sequence_log_probs(batch)[0]
+
+    def preference_sum(self, batch: dict) -> torch.Tensor:
+        """The summed preference loss of the micro-batch's pairs (``litft.preference``); its figures are kept for the log."""
+        objective = self.objective
+        reference = self.reference_log_probs(batch) if objective.uses_reference else None
+        policy, lengths = self.sequence_log_probs(batch)
+        counted = bool(batch.get("pairs", 1))  # under context parallel one rank of each group counts the loss and its figures
+        loss, figures = preference_loss(objective, policy, lengths, reference, counted)
+        self.preference_figures.append(figures)
+        return loss if counted else loss * 0.0  # the zero keeps this rank's slice in the graph: group_sum's backward gives it the gradient
+
+    def take_preference_figures(self) -> Optional[torch.Tensor]:
+        """The summed figures of the micro-batches since the last call (on the device), or None; the list is emptied."""
+        if not self.preference_figures:
+            return None
+        summed, self.preference_figures = torch.stack(self.preference_figures).sum(0), []
+        return summed
+
     def loss_sum(self, batch: dict) -> torch.Tensor:
         """Summed cross-entropy of the batch's target tokens: by the head itself on targets only where it can (litft.loss).
 
@@ -200,9 +251,11 @@ class CausalLM(torch.nn.Module):
         micro-batch's targets, so that the loop's division by the global batch's targets gives the same mean); the step's
         value is kept in ``router_aux`` for the log. Validation reports the language-model loss alone.
         """
+        if self.objective.preference:
+            return self.preference_sum(batch)
         head, targets = fused_head(self.hf_model), batch.get("targets") or targets_of(batch["labels"])
         if head is not None:
-            head.loss_targets = (targets["index"], targets["labels"])
+            head.loss_targets = (targets["index"], targets["labels"], False)
             try:
                 out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
             finally:
@@ -231,6 +284,10 @@ class CausalLM(torch.nn.Module):
     def validation_step(self, batch: dict) -> torch.Tensor:
         return self.loss_sum(batch)
 
+    def predict_step(self, batch: dict) -> torch.Tensor:
+        """Each pair's summed log-probs under the model as it is (the reference, scored before training)."""
+        return self.sequence_log_probs(batch)[0]
+
     def configure_optimizers(self):
         args = self.train_args
         params = [p for p in self.parameters() if p.requires_grad]
@@ -250,5 +307,5 @@ class CausalLM(torch.nn.Module):
 
 
 def target_tokens(batch: dict) -> int:
-    """Tokens that carry loss in a batch (counted by collate, on the CPU)."""
-    return len(batch["targets"]["index"])
+    """What a batch's summed loss is a sum over (counted by collate, on the CPU): tokens that carry loss, or preference pairs."""
+    return int(batch["pairs"]) if "pairs" in batch else len(batch["targets"]["index"])

@@ -12,8 +12,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from litft.checkpoint.format import RUN_CONFIG
-from litft.config import EvalArgs, Layout, LoraArgs, TrainArgs
+from litft.config import EvalArgs, Layout, LoraArgs, ObjectiveArgs, TrainArgs
 from litft.data.base import DataModule, data_config
+from litft.data.preference import PreferenceData, TinyPreferences
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
 
@@ -36,6 +37,7 @@ class RunSpec:
     compile: bool = False
     kernels: str = "auto"
     lora: Optional[LoraArgs] = None
+    objective: ObjectiveArgs = field(default_factory=ObjectiveArgs)
     tokenizer: Optional[str] = None
     random_init: bool = False
     overwrite: bool = False
@@ -49,7 +51,11 @@ class RunSpec:
     def from_flags(cls, job: str, flags: dict, **job_fields) -> "RunSpec":
         """The spec of a job's own (flat) arguments, plus what only that job decides."""
         default_data = job_fields.pop("default_data", None)
-        flags = dict(flags, data=flags["data"] or default_data or TinyTasks())
+        objective = flags.get("objective") or ObjectiveArgs()
+        if isinstance(objective, str):  # finetune_lora(objective="dpo") from Python, as --objective dpo on the command line
+            objective = ObjectiveArgs(name=objective)
+        default_data = TinyPreferences() if objective.preference else default_data
+        flags = dict(flags, data=flags["data"] or default_data or TinyTasks(), objective=objective)
         lora = None
         if "lora_r" in flags:
             lora = LoraArgs(
@@ -60,7 +66,7 @@ class RunSpec:
             job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
             accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], compile=flags["compile"], kernels=flags["kernels"],
             layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
-            lora=lora, overwrite=flags["overwrite"], resume=flags["resume"], profile=flags["profile"], launcher=flags["launcher"],
+            lora=lora, objective=objective, overwrite=flags["overwrite"], resume=flags["resume"], profile=flags["profile"], launcher=flags["launcher"],
             loggers=(flags["logger_name"],) if isinstance(flags["logger_name"], str) else tuple(flags["logger_name"]),
             recorded=config_of({k: v for k, v in flags.items() if k not in ("overwrite", "resume")}),
         )
@@ -84,6 +90,15 @@ class RunSpec:
             raise LitftError(f"--seed must be in [0, 2**32) (what numpy and torch accept), got {self.seed}")
         if self.lora is not None:
             self.lora.check()
+        self.objective.check(lora=self.lora is not None)
+        preference_data = isinstance(self.data, PreferenceData)
+        if self.objective.preference and not preference_data:
+            raise LitftError(
+                f"--objective {self.objective.name} trains on preference pairs; give --data Preferences (prompt/chosen/rejected records) "
+                "or TinyPreferences, not " + type(self.data).__name__
+            )
+        if preference_data and not self.objective.preference:
+            raise LitftError(f"--data {type(self.data).__name__} holds preference pairs; choose an objective for them: --objective dpo, ipo, simpo or orpo")
         if self.overwrite and self.resumes_inside_out_dir:
             raise LitftError("--overwrite true deletes the checkpoints that --resume continues from; pass only one of them")
         return note

@@ -10,9 +10,10 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import lightning_fabric as L
+import torch
 import yaml
 from lightning_fabric.plugins.environments import LightningEnvironment
 
@@ -38,6 +39,7 @@ from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
 from litft.model import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
 from litft.plot import plot_losses
+from litft.preference import REFERENCE_FILE, attach_reference, score_pairs
 from litft.profiling import StepProfiler
 from litft.ranks import on_rank_zero, rank_zero_first
 from litft.spec import RunResult, RunSpec
@@ -131,6 +133,8 @@ class Trainer:
         log_config(fabric, spec.recorded)
         check_shared_out_dir(fabric, spec.out_dir)
         data: PreparedData = self.data
+        for note in data.notes:
+            fabric.print(note)
         streamed = isinstance(data.train, StreamSource)
         num_train = 0 if streamed else len(data.train)  # a stream's length is not known
         if not streamed and num_train < spec.train.global_batch_size:
@@ -146,7 +150,7 @@ class Trainer:
         self.lm, fill, on_device = build_module(
             source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed,
             device=fabric.device, strategy=self.strategy, attention=attention, compile=spec.compile,
-            liger=choose_kernels(spec.kernels, fabric.device.type),
+            liger=choose_kernels(spec.kernels, fabric.device.type), objective=spec.objective,
         )
         join_context_groups(self.context, fabric.world_size)
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
@@ -171,6 +175,9 @@ class Trainer:
             continue_logs(fabric, self.state.step)
             fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
         self.start_step = self.stops.start_step = self.state.step
+        if spec.objective.reference_precomputed(lora=spec.lora is not None):
+            self.watch.at(self.state.step, "scoring the reference log-probs")
+            self.use_reference_scores(resume_from if position is not None else None)
         train = spec.train
         # The ranks of a context group take the same samples: between them they are one data-parallel rank.
         rank, world, pad, pin = self.context.data_rank, self.context.data_world, self.tokenizer.pad_token_id, fabric.device.type == "cuda"
@@ -190,6 +197,34 @@ class Trainer:
         profiles = spec.out_dir / "logs" / "profile"
         self.profiler = StepProfiler(spec.profile, profiles, fabric.global_rank, fabric.device, self.start_step, self.total_steps, self.meter.progress.message)
         self.profiler.after(self.start_step)
+
+    def use_reference_scores(self, resumed: Optional[Path]) -> None:
+        """DPO/IPO with the reference scored before training: every pair's log-probs under the initial model, and no reference weights.
+
+        Scored once, at the start, and kept in every checkpoint: a resumed run reads them back and does not score again.
+        """
+        fabric, data, train = self.fabric, self.data, self.spec.train
+        stored = resumed / REFERENCE_FILE if resumed is not None else None
+        if stored is not None and stored.is_file():
+            tables = torch.load(stored, weights_only=True)
+            if len(tables["train"]) != len(data.train) or len(tables["val"]) != len(data.val):
+                raise LitftError(
+                    f"checkpoint {resumed} holds reference scores of {len(tables['train'])} train / {len(tables['val'])} val pairs, and the data "
+                    f"has {len(data.train)} / {len(data.val)}; resume with the data it was trained on"
+                )
+            fabric.print(f"reference log-probs of {len(data.train) + len(data.val):,} pairs read from {resumed}")
+        else:
+            started = time.perf_counter()
+            pad, score = self.tokenizer.pad_token_id, lambda samples: score_pairs(
+                fabric, self.module, samples, train.micro_batch_size, pad, self.attention in PACKED_SAFE, self.context)
+            tables = {"train": score(data.train), "val": score(data.val)}
+            fabric.print(
+                f"reference: {len(data.train) + len(data.val):,} pairs scored by the initial model in {time.perf_counter() - started:.1f} s; "
+                "their log-probs are kept with every checkpoint and no reference weights are held"
+            )
+        attach_reference(data.train, tables["train"])
+        attach_reference(data.val, tables["val"])
+        self.checkpointer.extras[REFERENCE_FILE] = tables
 
     def write_plot(self) -> None:
         """out_dir/logs/loss.png from the CSV log (rank 0): at every checkpoint and at the end."""

@@ -4,7 +4,7 @@ import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import yaml
@@ -31,6 +31,7 @@ class Checkpointer:
         self.run_config = run_config
         self.last_saved: Optional[int] = None
         self.last_path: Optional[Path] = None  # the newest finished checkpoint of this run
+        self.extras: Dict[str, object] = {}  # small files rank 0 writes into every checkpoint (a preference run's reference scores)
 
     def save(self, position: dict) -> Path:
         """Every rank writes its part into ``.step-N.partial``; rank 0 then writes meta.json and renames it.
@@ -59,6 +60,8 @@ class Checkpointer:
         def commit():
             meta = replace(self.meta, position=dict(position), world_size=fabric.world_size, scheduler=self.scheduler.state_dict())
             (partial / RUN_CONFIG).write_text(yaml.safe_dump(self.run_config, sort_keys=False))
+            for name, value in self.extras.items():
+                torch.save(value, partial / name)
             write_synced(partial / META, meta.to_json())
             if final.exists():  # the same step saved before (a resumed run ending where it started)
                 shutil.rmtree(final)

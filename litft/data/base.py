@@ -5,7 +5,7 @@ import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -41,6 +41,7 @@ class PreparedData:
     train: List[Sample]
     val: List[Sample]
     scoring: List[Prompted]
+    notes: List[str] = field(default_factory=list)  # what tokenizing changed (pairs cut or dropped), for the run's first screen
 
 
 class DataModule:
@@ -90,6 +91,7 @@ class DataModule:
                 train=stored["train"],
                 val=stored["val"],
                 scoring=[Prompted(p, r) for p, r in zip(stored["scoring_ids"], stored["scoring_refs"])],
+                notes=stored.get("notes", []),
             )
         prepared = self.tokenize(tokenizer, seed)
         if not prepared.train:
@@ -105,6 +107,7 @@ class DataModule:
                 "val": prepared.val,
                 "scoring_ids": [p.prompt_ids for p in prepared.scoring],
                 "scoring_refs": [p.reference for p in prepared.scoring],
+                "notes": prepared.notes,
             },
             tmp,
         )
@@ -246,13 +249,26 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
             labels[row, :n] = sample["labels"]
             position_ids[row, :n] = sample.get("position_ids", torch.arange(n))
             position_ids[row, n:] = torch.arange(width - n) + position_ids[row, n - 1] + 1
-    return {
+    batch = {
         "input_ids": input_ids, "labels": labels, "position_ids": position_ids,
         "ids": torch.stack([torch.as_tensor(s["id"]) for s in samples]),
         "num_tokens": lengths.sum(), "lengths": lengths,  # what attends together, for the FLOPs
         "varlen": cumulative_lengths(position_ids),
         "targets": targets_of(labels),
     }
+    if "rejected_start" in samples[0]:  # preference pairs (litft.data.preference): two sequences each, chosen then rejected
+        batch["pairs"] = len(samples)  # what the loss is a mean over; under context parallel, counted by one rank of the group
+        batch["targets"]["sequence"] = sequence_of(batch["targets"]["index"], position_ids)
+        if "reference" in samples[0]:  # log-probs of the reference model, scored before training
+            batch["reference"] = torch.stack([s["reference"] for s in samples])
+    return batch
+
+
+def sequence_of(index: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Which sequence of the batch (counted over the flattened rows, where position ids restart) each flat position belongs to."""
+    starts = torch.ones(position_ids.shape, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return (starts.flatten().cumsum(0) - 1)[index]
 
 
 def targets_of(labels: torch.Tensor) -> Dict[str, torch.Tensor]:

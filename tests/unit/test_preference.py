@@ -1,0 +1,236 @@
+"""Preference objectives against an independent reference: each pair run on its own through transformers' eager forward,
+log-probs from full logits, the losses written out from the papers' formulas; packed pairs, the target-only head, the
+adapter-off reference and the precomputed one must give the same loss (1e-6) and gradients (1e-5)."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from litft.config import ObjectiveArgs
+from litft.context_parallel import slice_batch
+from litft.data.base import IGNORE_INDEX, collate
+from litft.data.preference import Preferences, TinyPreferences, preference_records
+from litft.errors import LitftError
+from litft.loss import TargetLogProbs, fuse_target_loss, fused_head
+from litft.model import CausalLM, target_tokens
+from litft.config import TrainArgs
+
+PAIRS = 6
+
+
+@pytest.fixture(scope="module")
+def pairs(tokenizer):
+    return TinyPreferences(num_train=PAIRS, num_val=0).tokenize(tokenizer, seed=3).train
+
+
+def independent_loss(objective: ObjectiveArgs, pc, pr, rc, rr, nc, nr):
+    """One pair's loss from the papers' formulas, written apart from litft.preference (sigmoid and log, not logsigmoid)."""
+    beta, eps, sig = objective.strength, objective.label_smoothing, torch.sigmoid
+    if objective.name == "dpo":
+        x = beta * ((pc - pr) - (rc - rr))
+        return -(1 - eps) * torch.log(sig(x)) - eps * torch.log(sig(-x))
+    if objective.name == "ipo":
+        return ((pc / nc - pr / nr) - (rc / nc - rr / nr) - 1 / (2 * beta)) ** 2
+    if objective.name == "simpo":
+        x = beta * (pc / nc - pr / nr) - objective.gamma
+        return -(1 - eps) * torch.log(sig(x)) - eps * torch.log(sig(-x))
+    odds = lambda m: torch.exp(m) / (1 - torch.exp(m))  # noqa: E731
+    return -pc / nc - beta * torch.log(sig(torch.log(odds(pc / nc)) - torch.log(odds(pr / nr))))
+
+
+def response_log_prob(model, prompt, response):
+    """Summed log-probs of ``response`` after ``prompt``, from one unpadded forward's full logits, and its length."""
+    ids = torch.cat([prompt, response])[None]
+    logits = model(input_ids=ids).logits[0].float()
+    logps = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return logps.gather(1, response[:, None]).sum(), len(response)
+
+
+def split_pair(sample):
+    labels, ids, start = sample["labels"], sample["input_ids"], int(sample["rejected_start"])
+    prompt_len = int((labels[:start] == IGNORE_INDEX).sum())
+    return ids[:prompt_len], ids[prompt_len:start], ids[start + prompt_len :]
+
+
+def independent_mean(objective, policy, reference, pairs):
+    losses = []
+    for sample in pairs:
+        prompt, chosen, rejected = split_pair(sample)
+        pc, nc = response_log_prob(policy, prompt, chosen)
+        pr, nr = response_log_prob(policy, prompt, rejected)
+        if objective.uses_reference:
+            with torch.no_grad():
+                rc, _ = response_log_prob(reference, prompt, chosen)
+                rr, _ = response_log_prob(reference, prompt, rejected)
+        else:
+            rc = rr = None
+        losses.append(independent_loss(objective, pc, pr, rc, rr, nc, nr))
+    return torch.stack(losses).mean()
+
+
+def models(tiny_dir, lora: bool):
+    """The trained model (LoRA with non-zero adapters, so that policy and reference differ) and its reference, eager attention."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager", dtype=torch.float32)
+    if not lora:
+        reference = copy.deepcopy(base)
+        with torch.no_grad():
+            for p in base.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        return base, reference, base
+    reference = copy.deepcopy(base)
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    return policy, reference, policy
+
+
+def litft_lm(policy, fused: bool, objective):
+    hf = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    hf.set_attn_implementation("sdpa")
+    if fused:
+        assert fuse_target_loss(hf)
+    return CausalLM(policy, TrainArgs(), objective=objective).train()
+
+
+def grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+CASES = [
+    ("dpo", True, True, True), ("dpo", False, True, False), ("dpo", False, False, True), ("ipo", True, True, True),
+    ("simpo", False, True, True), ("simpo", True, False, False), ("orpo", False, True, True), ("orpo", True, True, False),
+]
+
+
+@pytest.mark.parametrize("name,lora,fused,padding_free", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_objective_matches_an_independent_reference(name, lora, fused, padding_free, tiny_dir, pairs, tokenizer):
+    objective = ObjectiveArgs(name=name, label_smoothing=0.1 if name in ("dpo", "simpo") and not lora else 0.0)
+    policy, reference, trained = models(tiny_dir, lora)
+    expected = independent_mean(objective, trained, reference, pairs)
+    expected.backward()
+    want = grads(trained)
+    trained.zero_grad()
+
+    lm = litft_lm(policy, fused, objective)
+    samples = [dict(s) for s in pairs]
+    if objective.uses_reference and not lora:  # full fine-tuning: the reference scored before training, carried by the pairs
+        ref_lm = CausalLM(reference, TrainArgs(), objective=objective).eval()
+        with torch.no_grad():
+            table = ref_lm.predict_step(collate(samples, tokenizer.pad_token_id, padding_free=True))
+        for sample, row in zip(samples, table):
+            sample["reference"] = row
+    batch = collate(samples, tokenizer.pad_token_id, padding_free=padding_free)
+    assert target_tokens(batch) == PAIRS
+    loss = lm.training_step(batch) / PAIRS
+    loss.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-6 * max(1.0, abs(expected.item())), (loss.item(), expected.item())
+    got = grads(trained)
+    assert got.keys() == want.keys() and want
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=key)
+    figures = lm.take_preference_figures()
+    assert figures[0] == PAIRS and lm.take_preference_figures() is None
+
+
+def test_target_log_probs_match_full_logits_and_their_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    upstream = torch.randn(37, dtype=torch.float64)
+    out = TargetLogProbs.apply(hidden, weight, bias, targets, 8)  # chunks of 8 rows
+    (out.double() * upstream).sum().backward()
+    got = [t.grad.clone() for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    want_out = torch.log_softmax(hidden @ weight.T + bias, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    (want_out * upstream).sum().backward()
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-6, atol=1e-6)
+    for g, t in zip(got, (hidden, weight, bias)):
+        torch.testing.assert_close(g, t.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_pair_is_one_sample_of_two_sequences(tokenizer, pairs):
+    sample = pairs[0]
+    prompt, chosen, rejected = split_pair(sample)
+    assert len(sample["input_ids"]) == 2 * len(prompt) + len(chosen) + len(rejected)
+    start = int(sample["rejected_start"])
+    assert sample["position_ids"][start] == 0 and torch.equal(sample["input_ids"][start : start + len(prompt)], prompt)
+    assert chosen[-1] == rejected[-1] == tokenizer.eos_token_id  # text responses end with EOS
+    batch = collate(pairs[:3], tokenizer.pad_token_id, padding_free=True)
+    sequence = batch["targets"]["sequence"]
+    assert sequence.unique().tolist() == list(range(6)) and batch["pairs"] == 3
+    # Under context parallel each slice keeps its targets' sequences, and one rank of the group counts the pairs.
+    halves = [slice_batch(batch, place, 2) for place in (0, 1)]
+    assert torch.equal(torch.cat([h["targets"]["sequence"] for h in halves]), sequence)
+    assert [h["pairs"] for h in halves] == [3, 0]
+
+
+def test_tiny_preferences_reject_a_near_miss():
+    records = preference_records(40, seed=0)
+    assert all(r["chosen"] != r["rejected"] for r in records)
+    assert all(len(r["chosen"].split()) == len(r["rejected"].split()) for r in records)
+
+
+def write(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def test_preference_records_as_text_messages_and_conversations(tmp_path, tokenizer):
+    user = [{"role": "user", "content": "Say yes."}]
+    records = [
+        {"prompt": "Q: 2+2?\nA: ", "chosen": "4", "rejected": "5"},
+        {"prompt": user, "chosen": [{"role": "assistant", "content": "yes"}], "rejected": [{"role": "assistant", "content": "no"}]},
+        {"chosen": user + [{"role": "assistant", "content": "yes"}], "rejected": user + [{"role": "assistant", "content": "no"}]},
+    ]
+    data = Preferences(json_path=write(tmp_path / "p.jsonl", records), val_split_fraction=0.0)
+    train = data.tokenize(tokenizer, seed=0).train
+    assert len(train) == 3
+    # The message forms render the same chat: the two spellings give the same sample.
+    assert torch.equal(train[1]["input_ids"], train[2]["input_ids"]) and torch.equal(train[1]["labels"], train[2]["labels"])
+    chat = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(split_pair(train[1])[0]) == chat
+
+
+def test_truncation_keeps_the_prompt_and_reports(tmp_path, tokenizer):
+    long = " ".join(["word"] * 40)
+    records = [{"prompt": "short ", "chosen": long, "rejected": "no"}, {"prompt": long, "chosen": "a", "rejected": "b"}]
+    data = Preferences(json_path=write(tmp_path / "p.jsonl", records), val_split_fraction=0.0, max_seq_length=20)
+    prepared = data.tokenize(tokenizer, seed=0)
+    assert len(prepared.train) == 1
+    prompt, chosen, rejected = split_pair(prepared.train[0])
+    assert len(prompt) + len(chosen) == 20 and tokenizer.decode(prompt).startswith("short")
+    assert prepared.notes and "1 of 2 pairs had responses cut" in prepared.notes[0] and "1 dropped" in prepared.notes[0]
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"prompt": "p", "chosen": "a"}, "record 1 of .* lacks the field\\(s\\) rejected"),
+    ({"prompt": "p", "chosen": "", "rejected": "b"}, "record 1 of .*: 'chosen' is empty"),
+    ({"chosen": "a", "rejected": "b"}, "record 1 of .* has no 'prompt'"),
+    ({"prompt": "p", "chosen": 3, "rejected": "b"}, "record 1 of .*: 'chosen' must be text"),
+])
+def test_a_bad_record_is_one_line_naming_it(tmp_path, record, message):
+    data = Preferences(json_path=write(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}, record]))
+    with pytest.raises(LitftError, match=message) as err:
+        data.records(seed=0)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(name="simpo", precompute_reference=True), "uses no reference model"),
+    (dict(name="orpo", label_smoothing=0.1), "applies to dpo and simpo"),
+    (dict(name="dpo", beta=0.0), "--objective.beta must be positive"),
+])
+def test_impossible_objective_flags_are_one_line(change, message):
+    with pytest.raises(LitftError, match=message):
+        ObjectiveArgs(**change).check(lora=True)
+    with pytest.raises(LitftError, match="a frozen second copy of the model is not built"):
+        ObjectiveArgs(name="dpo", precompute_reference=False).check(lora=False)
+    assert ObjectiveArgs(name="dpo").reference_precomputed(lora=False) and not ObjectiveArgs(name="dpo").reference_precomputed(lora=True)
+    assert math.isclose(ObjectiveArgs(name="simpo").strength, 2.0)
