@@ -1,0 +1,82 @@
+"""Preference tuning under every strategy against one process on the same global batch, and a precomputed reference resumed.
+
+Per-step loss (1e-5), the logged preference figures and every exported weight match one process; the exactness of the
+objectives themselves against an independent implementation is tests/unit/test_preference.py's.
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import read_metrics, run_cli, step_losses
+
+COMMON = [
+    "--data.num_train", "32", "--data.num_val", "8", "--train.global_batch_size", "8", "--train.max_steps", "3",
+    "--train.learning_rate", "3e-3", "--train.warmup_steps", "1", "--eval.interval", "0", "--eval.initial_validation", "false",
+    "--precision", "32-true", "--accelerator", "cpu", "--logger_name", "csv",
+]
+JOBS = {
+    "lora-dpo": ("finetune_lora", ["--objective", "dpo", "--lora_r", "4", "--lora_dropout", "0", "--export", "merged"]),
+    "full-dpo": ("finetune_full", ["--objective", "dpo"]),  # the reference scored before training
+    "full-orpo": ("finetune_full", ["--objective", "orpo"]),
+}
+TWO = ["--devices", "2", "--train.micro_batch_size", "2"]
+CASES = {
+    "ddp-lora-dpo": ("lora-dpo", ["--strategy", "ddp", *TWO]),
+    "zero3-lora-dpo": ("lora-dpo", ["--strategy", "deepspeed", "--deepspeed.stage", "3", *TWO]),
+    "fsdp-full-dpo": ("full-dpo", ["--strategy", "fsdp", *TWO]),
+    "cp2-full-dpo": ("full-dpo", ["--strategy", "fsdp", "--devices", "2", "--context_parallel", "2", "--train.micro_batch_size", "4"]),
+    "zero2-full-orpo": ("full-orpo", ["--strategy", "deepspeed", "--deepspeed.stage", "2", *TWO]),
+}
+FIGURES = ("preference_accuracy", "reward_margin", "logp_chosen")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """Each job trained once by one process (micro-batches of 4), shared by the cases of that job."""
+    done = {}
+
+    def get(name):
+        if name not in done:
+            job, flags = JOBS[name]
+            out = tmp_path_factory.mktemp(name)
+            run_cli(job, *COMMON, *flags, "--train.micro_batch_size", "4", "--out_dir", out)
+            done[name] = out
+        return done[name]
+
+    return get
+
+
+def figures(run):
+    return [r[key] for key in FIGURES for r in read_metrics(run) if "loss" in r]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sharded_preference_runs_match_one_process(case, single, tmp_path):
+    name, flags = CASES[case]
+    job, job_flags = JOBS[name]
+    reference = single(name)
+    run_cli(job, *COMMON, *job_flags, *flags, "--out_dir", tmp_path, timeout=600)
+    expected, got = step_losses(reference), step_losses(tmp_path)
+    assert len(got) == len(expected) == 3 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
+    assert figures(tmp_path) == pytest.approx(figures(reference), rel=1e-4, abs=1e-6) and len(figures(reference)) == 9
+    val = lambda run: [r["val_preference_accuracy"] for r in read_metrics(run) if "val_preference_accuracy" in r]  # noqa: E731
+    assert val(tmp_path) == val(reference) and len(val(reference)) == 1
+    ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=1e-4, msg=key)
+
+
+def test_a_precomputed_reference_resumes_without_scoring_again(single, tmp_path):
+    """Stopped after a step and resumed: the losses of the uninterrupted run, and the reference read from the checkpoint."""
+    job, flags = JOBS["full-dpo"]
+    first = run_cli(job, *COMMON, *flags, "--train.micro_batch_size", "4", "--train.stop_after_steps", "1", "--out_dir", tmp_path)
+    assert "pairs scored by the initial model" in first.stderr + first.stdout
+    assert (tmp_path / "checkpoints" / "step-00000001" / "reference_logps.pt").is_file()
+    second = run_cli(job, *COMMON, *flags, "--train.micro_batch_size", "4", "--resume", "auto", "--out_dir", tmp_path)
+    said = second.stderr + second.stdout
+    assert "reference log-probs of 40 pairs read from" in said and "scored by the initial model" not in said
+    expected = step_losses(single("full-dpo"))
+    got = step_losses(tmp_path)
+    assert len(got) == 3 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
