@@ -46,11 +46,13 @@ class Case:
     resume: bool = False  # also stop after half the steps, resume, and compare with the uninterrupted run
     context_parallel: int = 1  # ranks that split each sequence (the whole world of a distributed case, at most)
     tensor_parallel: int = 1  # ranks that split each block (FSDP only)
+    objective: str = "sft"  # a preference objective (dpo, ipo, simpo, orpo) trains on TinyPreferences
 
     @property
     def name(self) -> str:
         split = f" cp{self.context_parallel}" if self.context_parallel > 1 else ""
         split += f" tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        split += f" {self.objective}" if self.objective != "sft" else ""
         return f"{self.job} {self.strategy}{split} {self.precision}"
 
     @property
@@ -94,6 +96,11 @@ class Case:
             flags.update(strategy="deepspeed", deepspeed=DeepSpeedArgs(stage=deepspeed_stage(self.strategy)))
         if self.job == "finetune_qlora":
             flags["quantize"] = "bnb.nf4"
+        if self.objective != "sft":
+            from litft.config import ObjectiveArgs
+            from litft.data.preference import TinyPreferences
+
+            flags.update(objective=ObjectiveArgs(name=self.objective), data=TinyPreferences(num_train=64, num_val=8))
         return flags
 
     @property

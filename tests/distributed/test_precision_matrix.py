@@ -32,10 +32,10 @@ def test_every_job_strategy_and_precision(tmp_path):
     assert by_name["finetune_qlora zero3 bf16-mixed"]["saved"] == ["float32"]
 
 
-def test_context_and_tensor_parallel_under_each_sharding_and_bf16_precision(tmp_path):
+def test_context_tensor_parallel_and_preference_under_each_sharding_and_bf16_precision(tmp_path):
     """A context group of both ranks, through the kernel's branch: each job with each sharding, each sharding with each bf16
     precision; a tensor-parallel group of both ranks under FSDP, full and LoRA, in each bf16 precision (the exact matches
-    with one process are tests/distributed/test_sharding.py's, in fp32)."""
+    with one process are tests/distributed/test_sharding.py's, in fp32); preference objectives under each."""
     cases = [
         Case(job, strategy, precision, context_parallel=2)
         for job, strategy, precision in (
@@ -43,6 +43,13 @@ def test_context_and_tensor_parallel_under_each_sharding_and_bf16_precision(tmp_
             ("finetune_qlora", "fsdp", "bf16-mixed"), ("finetune_qlora", "zero3", "bf16-true"),
         )
     ] + [Case("finetune_full", "fsdp", "bf16-mixed", tensor_parallel=2), Case("finetune_lora", "fsdp", "bf16-true", tensor_parallel=2)]
+    # Preference objectives in the bf16 precisions, on the processes already started (their exact matches are in fp32:
+    # tests/distributed/test_preference.py): the adapter-off reference, the precomputed one, and the reference-free objectives.
+    cases += [
+        Case("finetune_lora", "fsdp", "bf16-true", objective="dpo"), Case("finetune_qlora", "zero3", "bf16-mixed", objective="dpo"),
+        Case("finetune_full", "zero2", "bf16-mixed", objective="dpo"), Case("finetune_full", "fsdp", "bf16-true", objective="simpo"),
+        Case("finetune_qlora", "fsdp", "bf16-true", objective="orpo"), Case("finetune_full", "zero3", "bf16-true", objective="ipo"),
+    ]
     results = run_matrix(cases, tmp_path, accelerator="cpu", world=2, env=STANDIN)
     failed = [summary_line(r) for r in results if not r["passed"]]
     assert not failed, "\n".join(failed)
