@@ -7,10 +7,11 @@ the model in one row, padding-free. Only response tokens carry labels; the
 objective (``litft.preference``) sums their log-probs per sequence.
 """
 
+import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -42,8 +43,8 @@ def check_pair(record, where: str) -> None:
             raise LitftError(f"{where}: '{key}' must be text or a list of {{'role', 'content'}} messages")
         if (value == "" or value == []) and key != "prompt":
             raise LitftError(f"{where}: '{key}' is empty; every pair needs two responses")
-    if "prompt" not in record and not (is_messages(record["chosen"]) and is_messages(record["rejected"])):
-        raise LitftError(f"{where} has no 'prompt'; give one, or give 'chosen' and 'rejected' as whole conversations that share it")
+    if "prompt" not in record and isinstance(record["chosen"], str) != isinstance(record["rejected"], str):
+        raise LitftError(f"{where} has no 'prompt', and one response is text, the other messages; give a prompt or two of a kind")
 
 
 def split_conversations(chosen: list, rejected: list, where: str) -> Tuple[list, list, list]:
@@ -51,6 +52,15 @@ def split_conversations(chosen: list, rejected: list, where: str) -> Tuple[list,
     if chosen[:-1] != rejected[:-1] or chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant":
         raise LitftError(f"{where}: 'chosen' and 'rejected' must be the same conversation up to a last assistant message each (or give a 'prompt')")
     return chosen[:-1], chosen[-1:], rejected[-1:]
+
+
+def shared_prefix(chosen: str, rejected: str, where: str) -> Tuple[str, str, str]:
+    """Two whole texts as the prompt they share (up to the last space or newline of it) and the two responses."""
+    n = len(os.path.commonprefix([chosen, rejected]))
+    n = max(chosen.rfind(" ", 0, n + 1), chosen.rfind("\n", 0, n + 1)) + 1 if n < min(len(chosen), len(rejected)) else n
+    if n == 0 or n >= min(len(chosen), len(rejected)):
+        raise LitftError(f"{where} has no 'prompt' and its two texts share no prompt before different responses; give a 'prompt'")
+    return chosen[:n], chosen[n:], rejected[n:]
 
 
 def as_messages(value, role: str) -> list:
@@ -71,6 +81,9 @@ class PreferenceData(DataModule):
         check_pair(record, where)
         prompt, chosen, rejected = record.get("prompt"), record["chosen"], record["rejected"]
         chat = self.prompt_style == "chat" or any(isinstance(v, list) for v in (prompt, chosen, rejected))
+        if prompt is None and isinstance(chosen, str):  # two whole texts (Anthropic HH style): the prompt is what they share
+            prompt, chosen, rejected = shared_prefix(chosen, rejected, where)
+            chat = False
         if not chat:
             if self.prompt_style == "alpaca":
                 prompt = alpaca_prompt(prompt, "")
@@ -144,35 +157,65 @@ class PreferenceData(DataModule):
 
 @dataclass
 class Preferences(PreferenceData):
-    """Preference pairs from a JSON list or JSONL file: prompt, chosen and rejected as text or chat messages."""
+    """Preference pairs from a JSON/JSONL file or anything the ``datasets`` library reads: prompt, chosen and rejected as text or chat."""
 
-    json_path: Path = Path("data/preferences.jsonl")
-    """A .json list or .jsonl file of {"prompt", "chosen", "rejected"} records (text, or lists of chat messages)."""
-    val_path: Optional[Path] = None
-    """A separate file of validation pairs; without it val_split_fraction of json_path is held out."""
+    path: str = "data/preferences.jsonl"
+    """A .json list or .jsonl file of {"prompt", "chosen", "rejected"} records (text, or lists of chat messages); or a hub dataset id, or local parquet, arrow or CSV files, read by the datasets library."""
+    name: Optional[str] = None
+    """A hub dataset's configuration (subset)."""
+    split: str = "train"
+    """The split to train on (datasets)."""
+    val_path: Optional[str] = None
+    """A separate file (or dataset) of validation pairs; without it, the dataset's validation split, else val_split_fraction of the training pairs."""
     val_split_fraction: float = 0.05
-    """Share of json_path held out for validation when val_path is not given."""
+    """Share of the training pairs held out for validation when there is no validation file or split."""
+    columns: Dict[str, str] = field(default_factory=dict)
+    """The data's column for each field, where the names differ, e.g. {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}."""
     prompt_style: PromptStyle = "plain"
     """How text prompts become the model's input: as they are (plain), in alpaca headers, or as the user's turn of the chat template."""
     max_seq_length: Optional[int] = None
     """Longest prompt plus response, in tokens: responses are cut to fit, pairs whose prompt alone is that long are dropped (default: the tokenizer's limit, at most 2048)."""
 
+    def check(self) -> None:
+        super().check()
+        unknown = sorted(set(self.columns) - {"prompt", "chosen", "rejected"})
+        if unknown:
+            raise LitftError(f"--data.columns names unknown field(s) {unknown}; the fields are prompt, chosen and rejected")
+
     def source_files(self):
-        return [p for p in (self.json_path, self.val_path) if p is not None and p.is_file()]
+        return [Path(p) for p in (self.path, self.val_path) if p is not None and Path(p).is_file()]
+
+    def read(self, where: str) -> Tuple[List[dict], Optional[List[dict]]]:
+        """The records of a JSON/JSONL file (no validation split), or of a dataset's training split and its validation split."""
+        local = Path(where).expanduser()
+        if local.suffix in (".json", ".jsonl") and local.is_file():
+            return [self.renamed(r) for r in read_records(local)], None
+        from litft.data.hf import HF
+
+        train, val = HF(path=where, name=self.name, split=self.split).splits(streaming=False)
+        rows = lambda split: None if split is None else [self.renamed(dict(r)) for r in split]  # noqa: E731
+        return rows(train), rows(val)
+
+    def renamed(self, record):
+        if not self.columns or not isinstance(record, dict):
+            return record
+        return {**record, **{field: record[column] for field, column in self.columns.items() if column in record}}
 
     def records(self, seed: int):
-        records = read_records(self.json_path)
+        records, val = self.read(self.path)
         if not records:
-            raise LitftError(f"{self.json_path} holds no records; add some or point --data.json_path elsewhere")
+            raise LitftError(f"{self.path} holds no records; add some or point --data.path elsewhere")
         for number, record in enumerate(records):
-            check_pair(record, f"record {number} of {self.json_path}")
+            check_pair(record, f"record {number} of {self.path}")
         if self.val_path is not None:
-            val = read_records(self.val_path)
+            val = self.read(self.val_path)[0]
             for number, record in enumerate(val):
                 check_pair(record, f"record {number} of {self.val_path}")
-            return records, val, str(self.json_path)
+            return records, val, self.path
+        if val is not None:
+            return records, val, self.path
         train, val = split_train_val(records, self.val_split_fraction, seed)
-        return train, val, str(self.json_path)
+        return train, val, self.path
 
 
 def corrupted(rng: random.Random, record: dict) -> str:

@@ -189,7 +189,7 @@ def test_preference_records_as_text_messages_and_conversations(tmp_path, tokeniz
         {"prompt": user, "chosen": [{"role": "assistant", "content": "yes"}], "rejected": [{"role": "assistant", "content": "no"}]},
         {"chosen": user + [{"role": "assistant", "content": "yes"}], "rejected": user + [{"role": "assistant", "content": "no"}]},
     ]
-    data = Preferences(json_path=write(tmp_path / "p.jsonl", records), val_split_fraction=0.0)
+    data = Preferences(path=write(tmp_path / "p.jsonl", records), val_split_fraction=0.0)
     train = data.tokenize(tokenizer, seed=0).train
     assert len(train) == 3
     # The message forms render the same chat: the two spellings give the same sample.
@@ -198,10 +198,25 @@ def test_preference_records_as_text_messages_and_conversations(tmp_path, tokeniz
     assert tokenizer.decode(split_pair(train[1])[0]) == chat
 
 
+def test_preference_datasets_through_the_datasets_library_with_renamed_columns(tmp_path, tokenizer):
+    """A parquet file read by ``datasets``; Anthropic-HH-style whole texts, whose shared start is the prompt."""
+    from datasets import Dataset
+
+    rows = [{"question": "Q: 2+2?\nA: ", "good": "4", "bad": "5"}, {"question": "Q: 1+1?\nA: ", "good": "2", "bad": "3"}]
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "pairs.parquet"))
+    data = Preferences(path=str(tmp_path / "pairs.parquet"), columns={"prompt": "question", "chosen": "good", "rejected": "bad"}, val_split_fraction=0.0)
+    data.check()
+    train = data.tokenize(tokenizer, seed=0).train
+    assert len(train) == 2 and tokenizer.decode(split_pair(train[0])[0]) == "Q: 2+2?\nA: "
+    hh = {"chosen": "Human: say yes\n\nAssistant: yes", "rejected": "Human: say yes\n\nAssistant: no"}
+    prompt, chosen, rejected = data.texts(tokenizer, hh, "record 0")
+    assert prompt == "Human: say yes\n\nAssistant: " and chosen.startswith("yes") and rejected.startswith("no")
+
+
 def test_truncation_keeps_the_prompt_and_reports(tmp_path, tokenizer):
     long = " ".join(["word"] * 40)
     records = [{"prompt": "short ", "chosen": long, "rejected": "no"}, {"prompt": long, "chosen": "a", "rejected": "b"}]
-    data = Preferences(json_path=write(tmp_path / "p.jsonl", records), val_split_fraction=0.0, max_seq_length=20)
+    data = Preferences(path=write(tmp_path / "p.jsonl", records), val_split_fraction=0.0, max_seq_length=20)
     prepared = data.tokenize(tokenizer, seed=0)
     assert len(prepared.train) == 1
     prompt, chosen, rejected = split_pair(prepared.train[0])
@@ -212,13 +227,15 @@ def test_truncation_keeps_the_prompt_and_reports(tmp_path, tokenizer):
 @pytest.mark.parametrize("record,message", [
     ({"prompt": "p", "chosen": "a"}, "record 1 of .* lacks the field\\(s\\) rejected"),
     ({"prompt": "p", "chosen": "", "rejected": "b"}, "record 1 of .*: 'chosen' is empty"),
-    ({"chosen": "a", "rejected": "b"}, "record 1 of .* has no 'prompt'"),
+    ({"chosen": "a", "rejected": "b"}, "record 1 of .* has no 'prompt' and its two texts share no prompt"),
     ({"prompt": "p", "chosen": 3, "rejected": "b"}, "record 1 of .*: 'chosen' must be text"),
 ])
-def test_a_bad_record_is_one_line_naming_it(tmp_path, record, message):
-    data = Preferences(json_path=write(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}, record]))
+def test_a_bad_record_is_one_line_naming_it(tmp_path, record, message, tokenizer):
+    data = Preferences(path=write(tmp_path / "p.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}, record]), val_split_fraction=0.0)
     with pytest.raises(LitftError, match=message) as err:
-        data.records(seed=0)
+        records, _, origin = data.records(seed=0)
+        for number, r in enumerate(records):
+            data.texts(tokenizer, r, f"record {number} of {origin}")
     assert "\n" not in str(err.value)
 
 
