@@ -158,7 +158,8 @@ def flops_per_token(
     """FLOPs of one training step (forward + backward) per token of a ``seq_len`` sequence.
 
     ``trained``: "all" (full finetune or pretraining) or "lora" (frozen base, adapters of
-    rank ``lora_r`` on ``lora_targets``, module names or "all-linear" as peft takes them).
+    rank ``lora_r`` on ``lora_targets``, module names or "all-linear" as peft takes them);
+    "forward" counts the forward alone (no step: a reference model's scoring).
     ``recompute=True`` gives hardware FLOPs under activation checkpointing: the blocks'
     forward that is redone, and under LoRA the first block's full backward (peft makes the
     embedding output require a gradient then). Leave it False for MFU. ``causal=True``
@@ -167,8 +168,8 @@ def flops_per_token(
     For a dense decoder this is close to ``6 * params`` (full) plus attention; the
     difference from that rule of thumb is the embedding (no matmul) and the attention.
     """
-    if trained not in ("all", "lora"):
-        raise LitftError(f"trained must be 'all' or 'lora', got {trained!r}")
+    if trained not in ("all", "lora", "forward"):
+        raise LitftError(f"trained must be 'all', 'lora' or 'forward', got {trained!r}")
     if seq_len < 1:
         raise LitftError(f"seq_len must be at least 1, got {seq_len}")
     shape = model_shape(config, gated=gated)
@@ -180,6 +181,8 @@ def flops_per_token(
     block = sum(matmul.values()) + attention
     head = 2 * shape.hidden * shape.vocab
     forward = shape.layers * block + head
+    if trained == "forward":  # a forward without gradients (a preference run's reference)
+        return float(forward)
 
     # Checkpointed blocks run their forward again in the backward; torch's non-reentrant
     # checkpoint (what litft uses) stops once every tensor the backward saved is back, so the
@@ -362,26 +365,36 @@ class StepFlops:
     makes a step's FLOPs the same however the global batch is split across ranks.
     """
 
-    def __init__(self, config, peak: Optional[float], **kind):
-        one, two = flops_per_token(config, 1, **kind), flops_per_token(config, 2, **kind)
-        self.per_key = two - one
-        self.per_token = one - self.per_key
+    def __init__(self, config, peak: Optional[float], reference_forward: bool = False, **kind):
+        self.per_token, self.per_key = self.coefficients(config, **kind)
+        if reference_forward:  # a preference run's reference: one more forward of every row, without gradients
+            token, key = self.coefficients(config, trained="forward")
+            self.per_token, self.per_key = self.per_token + token, self.per_key + key
         self.peak = peak
+
+    @staticmethod
+    def coefficients(config, **kind) -> Tuple[float, float]:
+        one, two = flops_per_token(config, 1, **kind), flops_per_token(config, 2, **kind)
+        return one - (two - one), two - one
 
     def of_row(self, length: int) -> float:
         """FLOPs of one sample (or packed row) of ``length`` real tokens; padding is not the model's work."""
         return length * (self.per_token + self.per_key * length)
 
     @classmethod
-    def for_run(cls, config, lora, precision: str, device, peak_tflops: Optional[float] = None, say=print) -> Optional["StepFlops"]:
-        """The counter for a run's model config and LoRA flags (a ``config.LoraArgs`` or None), or None with a line saying why."""
+    def for_run(cls, config, lora, precision: str, device, peak_tflops: Optional[float] = None, say=print,
+                reference_forward: bool = False) -> Optional["StepFlops"]:
+        """The counter for a run's model config and LoRA flags (a ``config.LoraArgs`` or None), or None with a line saying why.
+
+        ``reference_forward``: every micro-batch also runs a reference forward (DPO/IPO with the adapter switched off).
+        """
         kind = {"trained": "lora", "lora_r": lora.r, "lora_targets": lora.targets} if lora is not None else {}
         if precision.startswith("32") and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
             precision = "tf32"
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         peak = peak_flops(name, precision, peak_tflops)
         try:
-            return cls(config, peak, **kind)
+            return cls(config, peak, reference_forward=reference_forward, **kind)
         except LitftError as err:
             say(f"litft: no MFU for this run: {err}")
             return None

@@ -163,7 +163,7 @@ class Trainer:
         fabric.print(
             f"{spec.job}: {sum(self.strategy.numel(p) for p in model.parameters()):,} parameters, "
             f"{sum(self.strategy.numel(p) for p in model.parameters() if p.requires_grad):,} trained; "
-            f"{'streamed' if streamed else num_train} train / {len(data.val)} val samples; world size {fabric.world_size}; precision {self.precision}"
+            f"{'streamed' if streamed else num_train} train / {len(data.val)} val {'pairs' if spec.objective.preference else 'samples'}; world size {fabric.world_size}; precision {self.precision}"
         )
         self.checkpointer = Checkpointer(
             fabric, self.strategy, self.lm, self.optimizer, self.scheduler, spec.out_dir, spec.train, self._meta(num_train), spec.recorded,
@@ -190,7 +190,11 @@ class Trainer:
             order = SampleOrder(num_train, train.global_batch_size, train.micro_batch_size, rank, world, spec.seed)
             self.batches = StepBatches(data.train, order, pad, self.padding_free, pin=pin, split=self.context.split)
         self.cadence = Cadence(self.total_steps, spec.eval, train.save_interval, train.max_tokens)
-        self.flops = StepFlops.for_run(self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print)
+        objective = spec.objective  # DPO/IPO under LoRA run the reference's forward in every step
+        reference_forward = objective.uses_reference and not objective.reference_precomputed(spec.lora is not None)
+        self.flops = StepFlops.for_run(
+            self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print, reference_forward=reference_forward,
+        )
         self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step, compiled=spec.compile)
         samples = spec.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
         self.sample_log = SampleLog(samples if train.record_sample_ids else None)

@@ -147,12 +147,15 @@ class PreferenceData(DataModule):
                 f"preference data: {cut + val_cut} of {len(train_records) + len(val_records)} pairs had responses cut to --data.max_seq_length "
                 f"{max_len} (the prompt kept whole); {dropped + val_dropped} dropped, their prompt alone that long"
             )
-        scoring = []
-        for index, record in enumerate(val_records):  # the chosen answer as the reference of exact-match scoring
-            prompt_text, chosen_text, _ = self.texts(tokenizer, record, f"record {index} of {origin}")
-            answer = tokenizer(chosen_text, add_special_tokens=False)["input_ids"]
-            scoring.append(Prompted(tokenizer(prompt_text, add_special_tokens=False)["input_ids"], tokenizer.decode(answer, skip_special_tokens=True).strip()))
-        return PreparedData(train=train, val=val, scoring=scoring, notes=notes)
+        return PreparedData(train=train, val=val, scoring=[prompted(tokenizer, s) for s in val], notes=notes)
+
+
+def prompted(tokenizer, pair: Sample) -> Prompted:
+    """A pair's prompt as the model reads it, with the chosen answer as the reference of exact-match scoring."""
+    start = int(pair["rejected_start"])
+    masked = int((pair["labels"][:start] == IGNORE_INDEX).sum())
+    answer = tokenizer.decode(pair["input_ids"][masked:start], skip_special_tokens=True)
+    return Prompted(pair["input_ids"][:masked].tolist(), answer.strip())
 
 
 @dataclass

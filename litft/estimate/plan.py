@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from litft.build import build_model
-from litft.config import Layout, LoraArgs, TrainArgs
+from litft.config import Layout, LoraArgs, ObjectiveArgs, TrainArgs
 from litft.context_parallel import check_heads
 from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
@@ -63,6 +63,24 @@ def checked_run(flags: dict, precision: str):
     return layout, lora, one_step, strategy
 
 
+def objective_of(flags: dict) -> ObjectiveArgs:
+    objective = flags.get("objective") or ObjectiveArgs()
+    objective = ObjectiveArgs(name=objective) if isinstance(objective, str) else objective
+    if objective.preference and flags["job"] == "pretrain":
+        raise LitftError(f"--objective {objective.name} fine-tunes on preference pairs; use --job finetune_lora or finetune_full")
+    objective.check(lora=flags["job"] == "finetune_lora")
+    return objective
+
+
+def reference_line(objective: ObjectiveArgs, lora: bool) -> str:
+    """Where a preference run's reference comes from, and what it costs in memory."""
+    if not objective.uses_reference:
+        return "none (reference-free)" if objective.preference else ""
+    if objective.reference_precomputed(lora):
+        return "scored before training: a table of 2 log-probs per pair, no reference weights"
+    return "the base with the adapter off: no second copy, one no-grad forward per micro-batch (counted in the activations)"
+
+
 def plan_memory(flags: dict) -> dict:
     """Everything ``litft estimate`` prints, as a dict of bytes."""
     gpu_name, capacity = device_memory(flags["gpu"], flags["device_memory_gb"])
@@ -91,9 +109,11 @@ def plan_memory(flags: dict) -> dict:
     for checkpointing in (train.gradient_checkpointing, not train.gradient_checkpointing):
         build = {"precision": precision, "lora": lora, "gradient_checkpointing": checkpointing, "frozen_dtype": frozen_dtype}
         traced[checkpointing] = trace_activations(
-            one_rank_of(config, layout.tensor_parallel), build, params_dtype, autocast, train.micro_batch_size, tokens_per_rank
+            one_rank_of(config, layout.tensor_parallel), build, params_dtype, autocast, train.micro_batch_size, tokens_per_rank,
+            objective=objective_of(flags),
         )
     acts = traced[train.gradient_checkpointing]
+    objective = objective_of(flags)
     buffers = list(states.buffers)
     if flags["quantize"] is not None:
         biggest = max((t.numel for t in tensors if t.quantized), default=0)
@@ -119,6 +139,8 @@ def plan_memory(flags: dict) -> dict:
         "precision": precision,
         "quantize": flags["quantize"],
         "micro_batch_size": train.micro_batch_size,
+        "objective": objective.name,
+        "reference": reference_line(objective, lora is not None),
         "seq_len": flags["seq_len"],
         "context_parallel": layout.context_parallel,
         "tensor_parallel": layout.tensor_parallel,
@@ -184,6 +206,8 @@ def render(plan: dict) -> str:
         + (f" split over {plan['context_parallel']} ranks (context parallel)" if plan["context_parallel"] > 1 else "")
         + (f", blocks split over {plan['tensor_parallel']} ranks (tensor parallel)" if plan["tensor_parallel"] > 1 else "") + ", "
         f"activation checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, {plan['attention']} attention",
+        *([f"objective {plan['objective']}: {plan['micro_batch_size']} pairs per micro-batch (two sequences each); reference: {plan['reference']}"]
+          if plan.get("objective", "sft") != "sft" else []),
         "",
         f"{'per rank (the fullest), GiB':<34}{'GPU':>8}  {'CPU':>8}",
     ]

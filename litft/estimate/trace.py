@@ -163,29 +163,36 @@ class Trace:
     saved: int  # what the forward leaves for the backward (the loss computed)
 
 
-def trace_step(config, layers: int, build: dict, params_dtype, autocast, micro_batch_size: int, seq_len: int) -> Trace:
+def trace_step(config, layers: int, build: dict, params_dtype, autocast, micro_batch_size: int, seq_len: int, objective=None) -> Trace:
     """One forward and backward of the job's module (``model.CausalLM``, its loss included) on fake tensors."""
     model = build_model(_with_layers(config, layers), **build)
     with warnings.catch_warnings():
         # torch.utils.checkpoint's advice about use_reentrant, given where peft enables checkpointing for QLoRA.
         warnings.simplefilter("ignore")
-        return _trace(model, params_dtype, autocast, micro_batch_size, seq_len)
+        return _trace(model, params_dtype, autocast, micro_batch_size, seq_len, objective)
 
 
-def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int) -> Trace:
+def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int, objective=None) -> Trace:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fake_model(model, fake_mode, params_dtype)
-    lm = CausalLM(model, TrainArgs())
+    lm = CausalLM(model, TrainArgs(), objective=objective)
     lm.train()
     tensors = list(lm.parameters()) + list(lm.buffers())
     gc.collect()
     ledger = LiveStorages(tensors)
+    pairs = micro_batch_size if lm.objective.preference else 0
+    rows = 2 * pairs or micro_batch_size  # a preference micro-batch holds two sequences per pair
     with fake_mode:
-        tokens = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+        tokens = torch.zeros(rows, seq_len, dtype=torch.long)
         # Rows of one sequence each (position ids 0..n-1, as unpacked data has them; transformers then makes them itself).
         # Every token but each row's last carries loss (the index is made without reading the fake tokens).
-        index = torch.arange(micro_batch_size * seq_len).reshape(micro_batch_size, seq_len)[:, :-1].flatten()
+        index = torch.arange(rows * seq_len).reshape(rows, seq_len)[:, :-1].flatten()
         batch = {"input_ids": tokens, "labels": tokens, "position_ids": None, "targets": {"index": index, "labels": tokens.flatten()[index]}}
+        if pairs:  # each row is a sequence: chosen and rejected of pair k in rows 2k and 2k + 1
+            batch.update(ids=torch.arange(pairs), pairs=pairs)
+            batch["targets"]["sequence"] = index // seq_len
+            if lm.objective.uses_reference and not hasattr(model, "disable_adapter"):  # full fine-tuning: the scores of a pass before training
+                batch["reference"] = torch.zeros(pairs, 2)
         cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
         # The loop's shape: forward and backward inside one autocast region, which caches weight casts for both.
         with _masks_as_in_real_steps(), ledger.mode(), cast:
@@ -207,17 +214,17 @@ class Activations:
     outside_layers: int  # embeddings, logits and the fp32 loss: the peak with no block
 
 
-def trace_activations(config, build: dict, params_dtype, autocast, micro_batch_size: int, seq_len: int) -> Activations:
+def trace_activations(config, build: dict, params_dtype, autocast, micro_batch_size: int, seq_len: int, objective=None) -> Activations:
     """Traces with 1 and 2 blocks; their difference is one block's share, repeated to the model's depth.
 
     The first block is traced as it is (its input, from a frozen embedding, may need no
     gradient), and every later one is like the second.
     """
     depth = config.num_hidden_layers
-    one = trace_step(config, 1, build, params_dtype, autocast, micro_batch_size, seq_len)
+    one = trace_step(config, 1, build, params_dtype, autocast, micro_batch_size, seq_len, objective)
     if depth == 1:
         return Activations(one.peak, one.saved, one.peak, 0)
-    two = trace_step(config, 2, build, params_dtype, autocast, micro_batch_size, seq_len)
+    two = trace_step(config, 2, build, params_dtype, autocast, micro_batch_size, seq_len, objective)
     per_layer, per_layer_saved = two.peak - one.peak, two.saved - one.saved
     return Activations(
         peak=two.peak + (depth - 2) * per_layer,

@@ -251,3 +251,29 @@ def test_impossible_objective_flags_are_one_line(change, message):
         ObjectiveArgs(name="dpo", precompute_reference=False).check(lora=False)
     assert ObjectiveArgs(name="dpo").reference_precomputed(lora=False) and not ObjectiveArgs(name="dpo").reference_precomputed(lora=True)
     assert math.isclose(ObjectiveArgs(name="simpo").strength, 2.0)
+
+
+def test_estimate_counts_both_sequences_of_a_pair_and_names_the_reference(tiny_dir):
+    from litft.estimate import memory_plan, render
+
+    common = dict(model=str(tiny_dir), seq_len=256, train=TrainArgs(micro_batch_size=2))
+    sft = memory_plan(job="finetune_lora", **common)
+    dpo = memory_plan(job="finetune_lora", objective=ObjectiveArgs(name="dpo"), **common)
+    full = memory_plan(job="finetune_full", objective="dpo", **common)
+    assert 1.8 < dpo["activations"]["saved"] / sft["activations"]["saved"] < 2.2  # two sequences per pair
+    assert "adapter off" in dpo["reference"] and "no reference weights" in full["reference"]
+    assert "objective dpo: 2 pairs per micro-batch" in render(dpo)
+    with pytest.raises(LitftError, match="use --job finetune_lora or finetune_full"):
+        memory_plan(job="pretrain", objective="orpo", **common)
+
+
+def test_mfu_counts_the_reference_forward_of_an_adapter_off_reference(tiny_dir):
+    from litft.config import LoraArgs
+    from litft.flops import StepFlops, flops_per_token
+    from litft.model import load_config
+
+    config, cpu = load_config(str(tiny_dir)), torch.device("cpu")
+    plain = StepFlops.for_run(config, LoraArgs(), "32-true", cpu)
+    with_reference = StepFlops.for_run(config, LoraArgs(), "32-true", cpu, reference_forward=True)
+    for n in (17, 300):
+        assert with_reference.of_row(n) == pytest.approx(plain.of_row(n) + n * flops_per_token(config, n, trained="forward"), rel=1e-9)
