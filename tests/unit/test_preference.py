@@ -16,7 +16,7 @@ from litft.context_parallel import slice_batch
 from litft.data.base import IGNORE_INDEX, collate
 from litft.data.preference import Preferences, TinyPreferences, preference_records
 from litft.errors import LitftError
-from litft.loss import TargetLogProbs, fuse_target_loss, fused_head
+from litft.loss import TargetLogProbs, fuse_target_loss
 from litft.model import CausalLM, target_tokens
 from litft.config import TrainArgs
 
