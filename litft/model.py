@@ -197,8 +197,9 @@ class CausalLM(torch.nn.Module):
         aux = getattr(out, "aux_loss", None)
         return out.logits if aux is None else (out.logits, aux)
 
-    def token_log_probs(self, batch: dict) -> torch.Tensor:
-        """Log-prob of each target token, by the head on targets only where it can (no full-vocabulary logits kept)."""
+    def token_log_probs(self, batch: dict) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-prob of each target token, by the head on targets only where it can (no full-vocabulary logits kept), and a
+        MoE router's auxiliary loss where there is one."""
         head, targets = fused_head(self.hf_model), batch["targets"]
         if head is not None:
             head.loss_targets = (targets["index"], targets["labels"], True)
@@ -206,19 +207,21 @@ class CausalLM(torch.nn.Module):
                 out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
             finally:
                 head.loss_targets = None
-            return out[0] if isinstance(out, tuple) else out
+            return out if isinstance(out, tuple) else (out, None)
         out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
-        logits = out[0] if isinstance(out, tuple) else out
+        logits, aux = out if isinstance(out, tuple) else (out, None)
         picked = logits.reshape(-1, logits.shape[-1]).index_select(0, targets["index"]).float()
-        return torch.log_softmax(picked, dim=-1).gather(1, targets["labels"][:, None]).squeeze(1)
+        return torch.log_softmax(picked, dim=-1).gather(1, targets["labels"][:, None]).squeeze(1), aux
 
-    def sequence_log_probs(self, batch: dict) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Summed log-probs and token counts of each pair's chosen and rejected response, (pairs, 2) each; whole under context parallel."""
+    def sequence_log_probs(self, batch: dict) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Summed log-probs and token counts of each pair's chosen and rejected response, (pairs, 2) each, whole under context
+        parallel; and the router's auxiliary loss (MoE) or None."""
         pairs = len(batch["ids"])
-        sums, counts = sequence_sums(self.token_log_probs(batch), batch["targets"]["sequence"], pairs)
+        token_logps, aux = self.token_log_probs(batch)
+        sums, counts = sequence_sums(token_logps, batch["targets"]["sequence"], pairs)
         if MARK in (batch.get("varlen") or {}):  # each rank of a context group holds a slice of every sequence
             sums, counts = group_sum(sums), group_sum(counts.detach())
-        return sums, counts
+        return sums, counts, aux
 
     def reference_log_probs(self, batch: dict) -> torch.Tensor:
         """The reference model's summed log-probs per pair: scored before training, or the base with the adapter switched off."""
@@ -231,10 +234,13 @@ class CausalLM(torch.nn.Module):
         """The summed preference loss of the micro-batch's pairs (``litft.preference``); its figures are kept for the log."""
         objective = self.objective
         reference = self.reference_log_probs(batch) if objective.uses_reference else None
-        policy, lengths = self.sequence_log_probs(batch)
+        policy, lengths, aux = self.sequence_log_probs(batch)
         counted = bool(batch.get("pairs", 1))  # under context parallel one rank of each group counts the loss and its figures
         loss, figures = preference_loss(objective, policy, lengths, reference, counted)
         self.preference_figures.append(figures)
+        if aux is not None and self.training and self.router_aux_coef:  # MoE: the router's balance, weighted by the pairs as the loss is
+            self.router_aux.append(aux.detach().float())
+            loss = loss + self.router_aux_coef * aux.float() * len(policy)
         return loss if counted else loss * 0.0  # the zero keeps this rank's slice in the graph: group_sum's backward gives it the gradient
 
     def take_preference_figures(self) -> Optional[torch.Tensor]:
