@@ -18,7 +18,6 @@ from jsonargparse import CLI, ArgumentParser, set_parsing_settings  # noqa: E402
 import litft.data  # noqa: E402,F401  (registers the --data choices)
 from litft.chat import chat, generate  # noqa: E402
 from litft.checkpoint.convert import convert, merge_lora  # noqa: E402
-from litft.config import OBJECTIVES  # noqa: E402
 from litft.envreport import env  # noqa: E402
 from litft.errors import LitftError  # noqa: E402
 from litft.estimate import estimate  # noqa: E402
@@ -70,9 +69,9 @@ def objective_named(argv: List[str]) -> List[str]:
     out = []
     for i, word in enumerate(argv):
         name = word.split("=", 1)[1] if word.startswith("--objective=") else None
-        if name is not None and not name.lstrip().startswith(("{", "[")) and not name.endswith((".yaml", ".yml", ".json")):
+        if name is not None and re.fullmatch(r"[A-Za-z_]+", name):
             out += ["--objective.name", name]
-        elif word == "--objective" and i + 1 < len(argv) and argv[i + 1] in OBJECTIVES:
+        elif word == "--objective" and i + 1 < len(argv) and re.fullmatch(r"[A-Za-z_]+", argv[i + 1]):  # a name, not a file or a dict
             out.append("--objective.name")
         else:
             out.append(word)

@@ -21,7 +21,10 @@ def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batc
             break
         # Every rank makes the same number of forward passes (wrapped forwards may communicate);
         # a rank out of samples runs sample 0 and does not count it.
-        batch = fabric.to_device(context.split(collate([data.val[i] for i in (idx or [0])], pad_id, padding_free)))
+        batch = context.split(collate([data.val[i] for i in (idx or [0])], pad_id, padding_free))
+        if not idx and "pairs" in batch:
+            batch["pairs"] = 0  # preference pairs: the stand-in adds nothing to the figures either
+        batch = fabric.to_device(batch)
         with fabric.autocast():
             loss = module.validation_step(batch).double()
         if idx:

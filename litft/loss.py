@@ -85,10 +85,21 @@ class TargetLogProbs(torch.autograd.Function):
             out[start : start + rows] = logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.rows = rows
+        # The backward computes the logits again as the forward did: under the same autocast, if one was on.
+        device = hidden.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
+        if ctx.autocast is None:
+            return TargetLogProbs.gradients(ctx, grad_output)
+        device, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype):
+            return TargetLogProbs.gradients(ctx, grad_output)
+
+    @staticmethod
+    def gradients(ctx, grad_output):
         hidden, weight, bias, targets = ctx.saved_tensors
         grads = ctx.needs_input_grad
         grad_hidden = torch.empty_like(hidden) if grads[0] else None
@@ -103,9 +114,9 @@ class TargetLogProbs(torch.autograd.Function):
                 grad_bias += g.sum(0)
             g = g.to(h.dtype)
             if grad_hidden is not None:
-                grad_hidden[start : start + ctx.rows] = g @ weight
+                grad_hidden[start : start + ctx.rows] = g @ weight.to(g.dtype)
             if grad_weight is not None:
-                grad_weight += (g.t() @ h).float()
+                grad_weight += (g.t() @ h.to(g.dtype)).float()
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None
 

@@ -209,7 +209,12 @@ class Trainer:
         """
         fabric, data, train = self.fabric, self.data, self.spec.train
         stored = resumed / REFERENCE_FILE if resumed is not None else None
-        if stored is not None and stored.is_file():
+        if stored is not None and not stored.is_file():  # scoring now would score the trained weights, not the initial ones
+            raise LitftError(
+                f"checkpoint {resumed} holds no reference log-probs ({REFERENCE_FILE}), so its run's initial model cannot be "
+                "scored again; resume it with the objective it was trained with, or start this run afresh from its exported model"
+            )
+        if stored is not None:
             tables = torch.load(stored, weights_only=True)
             if len(tables["train"]) != len(data.train) or len(tables["val"]) != len(data.val):
                 raise LitftError(

@@ -57,7 +57,8 @@ def split_conversations(chosen: list, rejected: list, where: str) -> Tuple[list,
 def shared_prefix(chosen: str, rejected: str, where: str) -> Tuple[str, str, str]:
     """Two whole texts as the prompt they share (up to the last space or newline of it) and the two responses."""
     n = len(os.path.commonprefix([chosen, rejected]))
-    n = max(chosen.rfind(" ", 0, n + 1), chosen.rfind("\n", 0, n + 1)) + 1 if n < min(len(chosen), len(rejected)) else n
+    if n < min(len(chosen), len(rejected)):  # back to a word's start: the responses begin with whole words
+        n = max(chosen.rfind(" ", 0, n), chosen.rfind("\n", 0, n)) + 1
     if n == 0 or n >= min(len(chosen), len(rejected)):
         raise LitftError(f"{where} has no 'prompt' and its two texts share no prompt before different responses; give a 'prompt'")
     return chosen[:n], chosen[n:], rejected[n:]
@@ -78,6 +79,10 @@ class PreferenceData(DataModule):
 
     def texts(self, tokenizer, record: dict, where: str) -> Tuple[str, str, str]:
         """The prompt, chosen and rejected texts: rendered by the chat template where the record holds messages or asks for one."""
+        return self.rendered(tokenizer, record, where)[:3]
+
+    def rendered(self, tokenizer, record: dict, where: str) -> Tuple[str, str, str, bool]:
+        """``texts``, and whether the chat template rendered them (it writes its own BOS where the model has one)."""
         check_pair(record, where)
         prompt, chosen, rejected = record.get("prompt"), record["chosen"], record["rejected"]
         chat = self.prompt_style == "chat" or any(isinstance(v, list) for v in (prompt, chosen, rejected))
@@ -88,7 +93,7 @@ class PreferenceData(DataModule):
             if self.prompt_style == "alpaca":
                 prompt = alpaca_prompt(prompt, "")
             eos = tokenizer.eos_token or ""
-            return prompt or "", chosen + eos, rejected + eos
+            return prompt or "", chosen + eos, rejected + eos, False
         if not getattr(tokenizer, "chat_template", None):
             raise LitftError(f"{where} is a chat (messages or --data.prompt_style chat) but the tokenizer has no chat template; use a chat model or plain text")
         if prompt is None:
@@ -101,14 +106,15 @@ class PreferenceData(DataModule):
             if not whole.startswith(before):
                 raise LitftError(f"the tokenizer's chat template does not render {where} with its prompt first, so the responses cannot be told apart")
             responses.append(whole[len(before):])
-        return before, responses[0], responses[1]
+        return before, responses[0], responses[1], True
 
     def encode(self, tokenizer, record: dict, index: int, where: str, max_len: int) -> Tuple[Optional[Sample], str]:
         """The pair as one sample (None when its prompt leaves no room for a response), and whether truncation cut it."""
-        prompt_text, chosen_text, rejected_text = self.texts(tokenizer, record, where)
-        uses_template = prompt_text and (self.prompt_style == "chat" or isinstance(record.get("prompt"), list) or "prompt" not in record)
-        bos = [] if uses_template or tokenizer.bos_token_id is None or not getattr(tokenizer, "add_bos_token", False) else [tokenizer.bos_token_id]
+        prompt_text, chosen_text, rejected_text, templated = self.rendered(tokenizer, record, where)
+        bos = [] if templated or tokenizer.bos_token_id is None or not getattr(tokenizer, "add_bos_token", False) else [tokenizer.bos_token_id]
         prompt = bos + tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        if not prompt:  # the first response token would be predicted from the other sequence, or from nothing
+            raise LitftError(f"{where} has an empty prompt (and the tokenizer adds no BOS token); every pair needs a prompt")
         room = max_len - len(prompt)
         if room < 1:
             return None, "dropped"

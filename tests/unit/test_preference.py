@@ -155,6 +155,25 @@ def test_target_log_probs_match_full_logits_and_their_gradients():
         torch.testing.assert_close(g, t.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_target_log_probs_recompute_under_the_forwards_autocast():
+    """Under bf16 autocast, bf16 hidden states meet an fp32 head weight (bf16-mixed): the backward computes the logits as the
+    forward did (outside the autocast it would fail on the mixed dtypes), and the gradients are autograd's to bf16 rounding."""
+    torch.manual_seed(0)
+    hidden = torch.randn(21, 16, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    targets, upstream = torch.randint(0, 40, (21,)), torch.randn(21)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = TargetLogProbs.apply(hidden, weight, None, targets, 8)
+        want = torch.log_softmax(torch.nn.functional.linear(hidden, weight).float(), dim=-1).gather(1, targets[:, None]).squeeze(1)
+    torch.autograd.backward(out, upstream)
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    torch.autograd.backward(want, upstream)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[0], hidden.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[1], weight.grad, rtol=2e-2, atol=2e-2)
+
+
 def test_a_pair_is_one_sample_of_two_sequences(tokenizer, pairs):
     sample = pairs[0]
     prompt, chosen, rejected = split_pair(sample)
@@ -211,6 +230,16 @@ def test_preference_datasets_through_the_datasets_library_with_renamed_columns(t
     hh = {"chosen": "Human: say yes\n\nAssistant: yes", "rejected": "Human: say yes\n\nAssistant: no"}
     prompt, chosen, rejected = data.texts(tokenizer, hh, "record 0")
     assert prompt == "Human: say yes\n\nAssistant: " and chosen.startswith("yes") and rejected.startswith("no")
+    # Responses that share their first letters still begin with whole words.
+    hh = {"chosen": "Human: well?\n\nAssistant: I think so", "rejected": "Human: well?\n\nAssistant: I'm sure"}
+    assert data.texts(tokenizer, hh, "record 0")[0] == "Human: well?\n\nAssistant: "
+
+
+def test_an_empty_prompt_is_one_line(tmp_path, tokenizer):
+    """Without a BOS token (litft-tiny has none), an empty prompt would leave the first response token unscored."""
+    data = Preferences(path=str(write(tmp_path / "p.jsonl", [{"prompt": "", "chosen": "a", "rejected": "b"}])), val_split_fraction=0.0)
+    with pytest.raises(LitftError, match="record 0 of .* has an empty prompt"):
+        data.tokenize(tokenizer, seed=0)
 
 
 def test_truncation_keeps_the_prompt_and_reports(tmp_path, tokenizer):
