@@ -197,20 +197,27 @@ class CausalLM(torch.nn.Module):
         aux = getattr(out, "aux_loss", None)
         return out.logits if aux is None else (out.logits, aux)
 
-    def token_log_probs(self, batch: dict) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Log-prob of each target token, by the head on targets only where it can (no full-vocabulary logits kept), and a
-        MoE router's auxiliary loss where there is one."""
-        head, targets = fused_head(self.hf_model), batch["targets"]
+    def head_forward(self, batch: dict, targets: dict, per_token: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool]:
+        """The forward with the head on the target tokens only where it can (litft.loss): their summed loss, or their log-probs
+        (``per_token``); else the logits. With the router's auxiliary loss (MoE) or None, and whether the head computed it."""
+        head = fused_head(self.hf_model)
         if head is not None:
-            head.loss_targets = (targets["index"], targets["labels"], True)
-            try:
-                out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
-            finally:
+            head.loss_targets = (targets["index"], targets["labels"], per_token)
+        try:
+            out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
+        finally:
+            if head is not None:
                 head.loss_targets = None
-            return out if isinstance(out, tuple) else (out, None)
-        out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
-        logits, aux = out if isinstance(out, tuple) else (out, None)
-        picked = logits.reshape(-1, logits.shape[-1]).index_select(0, targets["index"]).float()
+        value, aux = out if isinstance(out, tuple) else (out, None)
+        return value, aux, head is not None
+
+    def token_log_probs(self, batch: dict) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-prob of each target token (no full-vocabulary logits kept where the head computes them), and the router's auxiliary loss."""
+        targets = batch["targets"]
+        value, aux, fused = self.head_forward(batch, targets, per_token=True)
+        if fused:
+            return value, aux
+        picked = value.reshape(-1, value.shape[-1]).index_select(0, targets["index"]).float()
         return torch.log_softmax(picked, dim=-1).gather(1, targets["labels"][:, None]).squeeze(1), aux
 
     def sequence_log_probs(self, batch: dict) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -259,18 +266,10 @@ class CausalLM(torch.nn.Module):
         """
         if self.objective.preference:
             return self.preference_sum(batch)
-        head, targets = fused_head(self.hf_model), batch.get("targets") or targets_of(batch["labels"])
-        if head is not None:
-            head.loss_targets = (targets["index"], targets["labels"], False)
-            try:
-                out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
-            finally:
-                head.loss_targets = None
-            loss, aux = out if isinstance(out, tuple) else (out, None)
-        else:
-            out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
-            logits, aux = out if isinstance(out, tuple) else (out, None)
-            picked = logits.reshape(-1, logits.shape[-1]).index_select(0, targets["index"])
+        targets = batch.get("targets") or targets_of(batch["labels"])
+        loss, aux, fused = self.head_forward(batch, targets, per_token=False)
+        if not fused:
+            picked = loss.reshape(-1, loss.shape[-1]).index_select(0, targets["index"])
             loss = F.cross_entropy(picked.float(), targets["labels"], reduction="sum")
         if aux is not None and self.training and self.router_aux_coef:
             self.router_aux.append(aux.detach().float())
