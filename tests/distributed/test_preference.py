@@ -5,11 +5,16 @@ objectives themselves against an independent implementation is tests/unit/test_p
 objective here: they differ only in the formula applied to the same per-pair sums, which the unit tests check each of.
 """
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import read_metrics, run_cli, step_losses
+from tests.conftest import ROOT, read_metrics, run_cli, step_losses
 
 COMMON = [
     "--data.num_train", "32", "--data.num_val", "8", "--train.global_batch_size", "8", "--train.max_steps", "3",
@@ -22,11 +27,8 @@ JOBS = {
 }
 TWO = ["--devices", "2", "--train.micro_batch_size", "2"]
 CASES = {
-    "ddp-lora-dpo": ("lora-dpo", ["--strategy", "ddp", *TWO]),
     "zero3-lora-dpo": ("lora-dpo", ["--strategy", "deepspeed", "--deepspeed.stage", "3", *TWO]),
     "zero2-full-dpo": ("full-dpo", ["--strategy", "deepspeed", "--deepspeed.stage", "2", *TWO]),
-    # FSDP (its default HYBRID_SHARD over the node) with a context group of both ranks: each scores a slice of every pair.
-    "cp2-full-dpo": ("full-dpo", ["--strategy", "fsdp", "--devices", "2", "--context_parallel", "2", "--train.micro_batch_size", "4"]),
 }
 FIGURES = ("preference_accuracy", "reward_margin", "logp_chosen")
 
@@ -68,13 +70,36 @@ def test_sharded_preference_runs_match_one_process(case, single, tmp_path):
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=1e-4, msg=key)
 
 
-def test_a_precomputed_reference_resumes_without_scoring_again(single, tmp_path):
-    """Stopped after a step and resumed: the losses of the uninterrupted run, and the reference read from the checkpoint."""
+def test_hybrid_shard_over_two_launches_with_context_parallel_matches_one_process(single, tmp_path):
+    """Two launches on 127.0.0.1 (node ranks 0 and 1) x 2 processes: FSDP's HYBRID_SHARD shards inside a node and
+    replicates across, and each node's two ranks are a context group that scores and trains a slice of every pair."""
     job, flags = JOBS["full-dpo"]
-    first = run_cli(job, *COMMON, *flags, "--train.micro_batch_size", "4", "--train.stop_after_steps", "1", "--out_dir", tmp_path)
+    args = [sys.executable, "-m", "litft", job, *COMMON, *flags, "--strategy", "fsdp", "--devices", "2", "--num_nodes", "2",
+            "--context_parallel", "2", "--train.micro_batch_size", "2", "--out_dir", str(tmp_path)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    nodes = [subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(rank))) for rank in (1, 0)]
+    logs = [node.communicate(timeout=400)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), logs[1][-3000:] + logs[0][-3000:]
+    reference = single("full-dpo")
+    expected, got = step_losses(reference), step_losses(tmp_path)
+    assert len(got) == 3 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
+    assert figures(tmp_path) == pytest.approx(figures(reference), rel=1e-4, abs=1e-6)
+    ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=1e-4, msg=key)
+
+
+def test_a_precomputed_reference_resumes_without_scoring_again(single, tmp_path):
+    """Under DDP, stopped after a step and resumed: the losses of one uninterrupted process, the reference read from the checkpoint."""
+    job, flags = JOBS["full-dpo"]
+    flags = [*flags, "--strategy", "ddp", *TWO]
+    first = run_cli(job, *COMMON, *flags, "--train.stop_after_steps", "1", "--out_dir", tmp_path)
     assert "pairs scored by the initial model" in first.stderr + first.stdout
     assert (tmp_path / "checkpoints" / "step-00000001" / "reference_logps.pt").is_file()
-    second = run_cli(job, *COMMON, *flags, "--train.micro_batch_size", "4", "--resume", "auto", "--out_dir", tmp_path)
+    second = run_cli(job, *COMMON, *flags, "--resume", "auto", "--out_dir", tmp_path)
     said = second.stderr + second.stdout
     assert "reference log-probs of 40 pairs read from" in said and "scored by the initial model" not in said
     expected = step_losses(single("full-dpo"))
