@@ -34,11 +34,13 @@ def test_help_shows_field_docs(capsys):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "config_hub").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_config_hub_yaml_parses(path):
-    job = "pretrain" if path.parent.name == "pretrain" else {"lora": "finetune_lora", "qlora": "finetune_lora", "full": "finetune_full"}[path.stem]
+    job = "pretrain" if path.parent.name == "pretrain" else {"lora": "finetune_lora", "qlora": "finetune_lora", "dpo": "finetune_lora", "full": "finetune_full"}[path.stem]
     config = cli_parser().parse_args([job, "--config", str(path)])
     assert config.subcommand == job
     section = config[job]
     assert section.model and section.train.global_batch_size % section.train.micro_batch_size == 0
+    if path.stem == "dpo":
+        assert section.objective.name == "dpo" and section.data.class_path == "litft.data.Preferences"
 
 
 def parse(args):

@@ -306,3 +306,14 @@ def test_mfu_counts_the_reference_forward_of_an_adapter_off_reference(tiny_dir):
     with_reference = StepFlops.for_run(config, LoraArgs(), "32-true", cpu, reference_forward=True)
     for n in (17, 300):
         assert with_reference.of_row(n) == pytest.approx(plain.of_row(n) + n * flops_per_token(config, n, trained="forward"), rel=1e-9)
+
+
+def test_objective_by_name_on_the_command_line_and_its_default_data():
+    from litft.__main__ import default_data_named, objective_named
+
+    argv = objective_named(["finetune_lora", "--objective", "dpo", "--objective.beta", "0.2", "--data.num_train", "64"])
+    assert argv[:5] == ["finetune_lora", "--objective.name", "dpo", "--objective.beta", "0.2"]
+    assert default_data_named(argv)[-4:-2] == ["--data", "TinyPreferences"]
+    assert objective_named(["finetune_full", "--objective=orpo"]) == ["finetune_full", "--objective.name", "orpo"]
+    assert objective_named(["finetune_full", "--objective", "my/objective.yaml"]) == ["finetune_full", "--objective", "my/objective.yaml"]
+    assert default_data_named(["finetune_lora", "--data.num_train", "64"])[1:3] == ["--data", "TinyTasks"]
