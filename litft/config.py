@@ -236,6 +236,11 @@ class ObjectiveArgs:
     precompute_reference: Optional[bool] = None
     """DPO/IPO: score every pair with the initial model once before training and keep only those log-probs (stored with the checkpoints); default: true for finetune_full, false under LoRA (the reference is the base with the adapter switched off)."""
 
+    @classmethod
+    def of(cls, value) -> "ObjectiveArgs":
+        """The group as flags or Python give it: the group itself, a bare name (``objective="dpo"``), or nothing (sft)."""
+        return cls(name=value) if isinstance(value, str) else value or cls()
+
     @property
     def preference(self) -> bool:
         return self.name != "sft"

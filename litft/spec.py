@@ -51,9 +51,7 @@ class RunSpec:
     def from_flags(cls, job: str, flags: dict, **job_fields) -> "RunSpec":
         """The spec of a job's own (flat) arguments, plus what only that job decides."""
         default_data = job_fields.pop("default_data", None)
-        objective = flags.get("objective") or ObjectiveArgs()
-        if isinstance(objective, str):  # finetune_lora(objective="dpo") from Python, as --objective dpo on the command line
-            objective = ObjectiveArgs(name=objective)
+        objective = ObjectiveArgs.of(flags.get("objective"))  # finetune_lora(objective="dpo") from Python, as --objective dpo
         default_data = TinyPreferences() if objective.preference else default_data
         flags = dict(flags, data=flags["data"] or default_data or TinyTasks(), objective=objective)
         lora = None

@@ -175,13 +175,13 @@ class Trainer:
             continue_logs(fabric, self.state.step)
             fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
         self.start_step = self.stops.start_step = self.state.step
+        self.padding_free = self.attention in PACKED_SAFE  # samples end to end in one row, no padding computed
         if spec.objective.reference_precomputed(lora=spec.lora is not None):
             self.watch.at(self.state.step, "scoring the reference log-probs")
             self.use_reference_scores(resume_from if position is not None else None)
         train = spec.train
         # The ranks of a context group take the same samples: between them they are one data-parallel rank.
         rank, world, pad, pin = self.context.data_rank, self.context.data_world, self.tokenizer.pad_token_id, fabric.device.type == "cuda"
-        self.padding_free = attention in PACKED_SAFE  # samples end to end in one row, no padding computed
         if streamed:
             self.batches = data.train.step_batches(
                 train.global_batch_size, train.micro_batch_size, rank, world, pad, pin, self.padding_free, self.context.split
@@ -225,7 +225,7 @@ class Trainer:
         else:
             started = time.perf_counter()
             pad, score = self.tokenizer.pad_token_id, lambda samples: score_pairs(
-                fabric, self.module, samples, train.micro_batch_size, pad, self.attention in PACKED_SAFE, self.context)
+                fabric, self.module, samples, train.micro_batch_size, pad, self.padding_free, self.context)
             tables = {"train": score(data.train), "val": score(data.val)}
             fabric.print(
                 f"reference: {len(data.train) + len(data.val):,} pairs scored by the initial model in {time.perf_counter() - started:.1f} s; "

@@ -266,9 +266,7 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
 
 def sequence_of(index: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """Which sequence of the batch (counted over the flattened rows, where position ids restart) each flat position belongs to."""
-    starts = torch.ones(position_ids.shape, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    return (starts.flatten().cumsum(0) - 1)[index]
+    return (sample_starts(position_ids).flatten().cumsum(0) - 1)[index]
 
 
 def targets_of(labels: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -285,11 +283,16 @@ def attended_lengths(sample: Sample) -> torch.Tensor:
     return sample_lengths(sample["position_ids"][None])
 
 
-def sample_lengths(position_ids: torch.Tensor) -> torch.Tensor:
-    """Lengths of the samples of every row, in order: a new one begins wherever the position id does not count on by one."""
+def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where a sample begins, in every row: wherever the position id does not count on by one."""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    begins = starts.flatten().nonzero().flatten()
+    return starts
+
+
+def sample_lengths(position_ids: torch.Tensor) -> torch.Tensor:
+    """Lengths of the samples of every row, in order."""
+    begins = sample_starts(position_ids).flatten().nonzero().flatten()
     return torch.diff(begins, append=torch.tensor([position_ids.numel()], device=begins.device))
 
 

@@ -64,8 +64,7 @@ def checked_run(flags: dict, precision: str):
 
 
 def objective_of(flags: dict) -> ObjectiveArgs:
-    objective = flags.get("objective") or ObjectiveArgs()
-    objective = ObjectiveArgs(name=objective) if isinstance(objective, str) else objective
+    objective = ObjectiveArgs.of(flags.get("objective"))
     if objective.preference and flags["job"] == "pretrain":
         raise LitftError(f"--objective {objective.name} fine-tunes on preference pairs; use --job finetune_lora or finetune_full")
     objective.check(lora=flags["job"] == "finetune_lora")
@@ -86,6 +85,7 @@ def plan_memory(flags: dict) -> dict:
     gpu_name, capacity = device_memory(flags["gpu"], flags["device_memory_gb"])
     precision = flags["precision"] or ("16-mixed" if gpu_name.upper().startswith(NO_BF16) else "bf16-mixed")
     layout, lora, train, strategy = checked_run(flags, precision)
+    objective = objective_of(flags)
     quiet_libraries()
     source = flags["model"]
     if source.endswith(".json") and Path(source).is_file():
@@ -110,10 +110,9 @@ def plan_memory(flags: dict) -> dict:
         build = {"precision": precision, "lora": lora, "gradient_checkpointing": checkpointing, "frozen_dtype": frozen_dtype}
         traced[checkpointing] = trace_activations(
             one_rank_of(config, layout.tensor_parallel), build, params_dtype, autocast, train.micro_batch_size, tokens_per_rank,
-            objective=objective_of(flags),
+            objective=objective,
         )
     acts = traced[train.gradient_checkpointing]
-    objective = objective_of(flags)
     buffers = list(states.buffers)
     if flags["quantize"] is not None:
         biggest = max((t.numel for t in tensors if t.quantized), default=0)
