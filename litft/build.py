@@ -16,6 +16,7 @@ from transformers.quantizers import AutoHfQuantizer
 
 from litft.config import LoraArgs, ObjectiveArgs, TrainArgs
 from litft.device import compute_dtype, param_dtype
+from litft.expert_parallel import compute_expert_lora
 from litft.experts import use_grouped_experts
 from litft.lora import apply_lora, quantization_config, quiet_peft
 from litft.loss import fuse_target_loss
@@ -63,6 +64,7 @@ def build_model(
             enable_checkpointing(model)
         if lora is not None:
             model = apply_lora(model, lora)
+            compute_expert_lora(model)  # LoRA on MoE experts by grouped low-rank matmuls, no weight delta per expert
             for param in model.parameters():
                 if param.requires_grad and param.dtype != dtype:
                     param.data = param.data.to(dtype)  # the adapters: fp32 masters under autocast whatever the base

@@ -289,13 +289,14 @@ class Layout:
     deepspeed: DeepSpeedArgs = field(default_factory=DeepSpeedArgs)
     context_parallel: int = 1  # ranks that split each sequence between them (litft.context_parallel)
     tensor_parallel: int = 1  # ranks that split each block's weights between them (litft.tensor_parallel)
+    expert_parallel: int = 1  # ranks that deal each MoE layer's experts out between them (litft.expert_parallel)
 
     @classmethod
     def of(cls, flags: dict) -> "Layout":
         """The layout a command's flat flags give (a job's, or litft estimate's)."""
         return cls(
             flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"], flags["context_parallel"],
-            flags["tensor_parallel"],
+            flags["tensor_parallel"], flags.get("expert_parallel", 1),
         )
 
     @property
@@ -320,6 +321,14 @@ class Layout:
         at_least(self.tensor_parallel, 1, "--tensor_parallel")
         if self.context_parallel > 1 and self.tensor_parallel > 1:
             raise LitftError("--context_parallel and --tensor_parallel together are not supported yet; choose one of them")
+        at_least(self.expert_parallel, 1, "--expert_parallel")
+        if self.expert_parallel > 1 and self.tensor_parallel > 1:
+            raise LitftError("--expert_parallel and --tensor_parallel together are not supported yet; choose one of them")
+        if self.devices % self.expert_parallel:
+            raise LitftError(
+                f"--expert_parallel {self.expert_parallel} must divide --devices {self.devices}: experts are dealt out over ranks of one node "
+                "(tokens cross between them by all-to-all in every MoE layer); choose a divisor of --devices"
+            )
         if self.devices % self.tensor_parallel:
             raise LitftError(
                 f"--tensor_parallel {self.tensor_parallel} must divide --devices {self.devices}: a block is split over ranks of one node "

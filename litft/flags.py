@@ -87,6 +87,11 @@ TENSOR_PARALLEL = Flag(
     "Ranks of a node that split every block's attention heads and MLP between them (column/row-parallel DTensors, with --strategy fsdp "
     "sharding over the rest), for models whose weights do not fit; must divide --devices, the heads and the MLP width.",
 )
+EXPERT_PARALLEL = Flag(
+    "expert_parallel", int, 1,
+    "Ranks of a node that deal every MoE layer's experts out between them (tokens sent to their experts' ranks by all-to-all, with "
+    "--strategy fsdp sharding the rest over all ranks), so a rank holds 1/N of the experts; must divide --devices and the experts.",
+)
 ACCELERATOR = Flag("accelerator", Accelerator, "auto", "auto, cpu or cuda.")
 ATTENTION = Flag(
     "attn_implementation", Literal["auto", "litft_segments", "flash_attention_2", "sdpa", "eager"], "auto",
@@ -140,7 +145,7 @@ PROFILE = Flag(
 )
 
 # Where the processes run and how they split the model: every job and litft estimate.
-PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, CONTEXT_PARALLEL, TENSOR_PARALLEL, ACCELERATOR]
+PARALLEL = [PRECISION, DEVICES, NUM_NODES, STRATEGY, FSDP, DEEPSPEED, CONTEXT_PARALLEL, TENSOR_PARALLEL, EXPERT_PARALLEL, ACCELERATOR]
 MODEL_OPTIONS = [ATTENTION, COMPILE, KERNELS]
 LORA = [QUANTIZE, LORA_R, LORA_ALPHA, LORA_DROPOUT, LORA_TARGETS, EXPORT]
 RUN_CONTROL = [SEED, OVERWRITE, RESUME]

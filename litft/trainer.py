@@ -44,6 +44,7 @@ from litft.profiling import StepProfiler
 from litft.ranks import on_rank_zero, rank_zero_first
 from litft.spec import RunResult, RunSpec
 from litft.strategies import checked_strategy_class
+from litft.expert_parallel import check_model as check_experts
 from litft.tensor_parallel import check_model
 from litft.watch import PeerWatch, StopSignals
 
@@ -96,6 +97,10 @@ class Trainer:
             if spec.compile:
                 raise LitftError("--compile true is not yet supported with --context_parallel (its all-to-all inside each block is untested); drop one of them")
             check_heads(load_config(resolve_model(spec.model)), layout.context_parallel)  # before any process starts
+        if layout.expert_parallel > 1:
+            if spec.compile:
+                raise LitftError("--compile true is not yet supported with --expert_parallel (its all-to-all inside each MoE layer is untested); drop one of them")
+            check_experts(load_config(resolve_model(spec.model)), layout.expert_parallel)
         if layout.tensor_parallel > 1:
             if spec.compile:
                 raise LitftError("--compile true is not yet supported with --tensor_parallel (untested); drop one of them")

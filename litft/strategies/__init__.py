@@ -31,6 +31,10 @@ def checked_strategy_class(layout: Layout, accelerator: str, precision: str) -> 
         raise LitftError(
             f"--tensor_parallel splits blocks as DTensors that FSDP2 shards further; {chosen.name} cannot hold them, use --strategy fsdp"
         )
+    if layout.expert_parallel > 1 and not chosen.splits_blocks:
+        raise LitftError(
+            f"--expert_parallel deals experts out as DTensors that FSDP2 shards further; {chosen.name} cannot hold them, use --strategy fsdp"
+        )
     chosen.check(layout, accelerator, precision)
     return chosen
 

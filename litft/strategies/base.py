@@ -61,7 +61,7 @@ class TrainingStrategy:
 
     name: ClassVar[str]
     compiles: ClassVar[bool] = True  # torch.compile of each block works under this strategy
-    splits_blocks: ClassVar[bool] = False  # holds blocks split by --tensor_parallel (litft.tensor_parallel)
+    splits_blocks: ClassVar[bool] = False  # holds blocks split by --tensor_parallel or --expert_parallel (DTensors on a mesh)
     options: ClassVar[Optional[str]] = None  # the flag group only this strategy reads (--fsdp.*, --deepspeed.*)
     checkpoint_format: ClassVar[str] = "dcp"
 

@@ -24,6 +24,7 @@ from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
 from litft.strategies.base import Fill, TrainingStrategy
+from litft.expert_parallel import expert_data_mesh, expert_mesh_shape, experts_modules, split_experts
 from litft.tensor_parallel import clip_by_global_norm, parallelize_block, split_over_tensor_parallel, sum_partial_gradients
 from litft.weights import transformer_blocks
 
@@ -113,6 +114,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         self.mixed = precision.endswith("-mixed")
         self.compute_dtype = compute_dtype(precision)
         self.fill: Fill = lambda part: None
+        self.expert_mesh = None  # experts' own mesh under --expert_parallel (litft.expert_parallel)
 
     def setup_environment(self) -> None:
         # Skips ModelParallelStrategy's (data, tensor) mesh; ours is (replicate, shard).
@@ -125,6 +127,11 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         tp = self.layout.tensor_parallel
         shape, names = ((replicas, shard, tp), ("replicate", "shard", "tensor")) if tp > 1 else ((replicas, shard), ("replicate", "shard"))
         self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+        # Experts have a mesh of their own: the same ranks, each shard group cut into expert groups of consecutive ranks.
+        experts = self.layout.expert_parallel
+        if experts > 1:
+            shape, names = expert_mesh_shape(replicas, shard, experts)
+            self.expert_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
 
     def _shard(self, module, mesh):
         # FSDP2 shards over a 1-D mesh and does HSDP (replicate x shard) over a 2-D one.
@@ -147,6 +154,12 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
             self.fill(unit)  # one full unit at a time, sharded right away
             if tensor and id(unit) in blocks:
                 parallelize_block(unit, mesh["tensor"], module.hf_model.config)
+            if self.expert_mesh is not None:
+                # Each rank keeps its group's share of the experts, sharded by FSDP over the ranks that hold the same ones.
+                expert_data = expert_data_mesh(self.expert_mesh)
+                for experts in experts_modules(unit):
+                    split_experts(experts, self.expert_mesh["expert"])
+                    fully_shard(experts, **{**options, "mesh": expert_data})
             fully_shard(unit, **options)
         self.fill(module)
         fully_shard(module.hf_model, **options)
@@ -177,6 +190,14 @@ class FSDP(TrainingStrategy):
                     f"HYBRID_SHARD needs the {'world size' if tp == 1 else 'data-parallel world'} ({ranks} = {world}) "
                     f"to be a multiple of the shard group size ({shard}); change --fsdp.shard_size or the process count"
                 )
+        experts, shard = layout.expert_parallel, mesh_shape(layout)[1]
+        if experts > 1 and shard % experts:
+            raise LitftError(
+                f"--expert_parallel {experts} must divide FSDP's shard group ({shard} ranks under {fsdp.sharding_strategy}): an expert group "
+                "holds one copy of the experts between them; choose a divisor of it or another --fsdp.sharding_strategy"
+            )
+        if experts > 1 and fsdp.cpu_offload:
+            raise LitftError("--fsdp.cpu_offload with --expert_parallel is not supported yet (untested); drop one of them")
         if layout.tensor_parallel > 1 and fsdp.cpu_offload:
             raise LitftError("--fsdp.cpu_offload with --tensor_parallel is not supported yet (untested); drop one of them")
         if fsdp.cpu_offload and accelerator != "cuda":
@@ -209,7 +230,7 @@ class FSDP(TrainingStrategy):
         return super().optimizer_step(module, optimizer, max_norm)
 
     def clip_gradients(self, module, optimizer, max_norm: float):
-        if self.layout.tensor_parallel == 1:
+        if self.layout.tensor_parallel == 1 and self.layout.expert_parallel == 1:
             return super().clip_gradients(module, optimizer, max_norm)
         return clip_by_global_norm([p for p in module.parameters() if p.requires_grad], max_norm)  # DTensors on two meshes
 

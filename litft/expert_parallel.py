@@ -1,0 +1,251 @@
+"""Expert parallel: the experts of every MoE layer dealt out over N ranks, each token sent to the ranks that hold its experts.
+
+Ranks ``g*N .. g*N+N-1`` form an expert group; rank ``i`` of a group holds experts
+``i*E/N .. (i+1)*E/N - 1`` of every layer as the local shard of a DTensor (``Shard(0)``
+on the mesh's ``expert`` dimension), and FSDP shards that shard again over the ranks
+that hold the same experts. Everything else is data parallel as before: the ranks of a
+group take different samples.
+
+In a layer's forward each rank sorts its (token, expert) pairs by expert, which also
+sorts them by the rank that holds the expert; one all-to-all of the per-expert counts
+tells every rank what it will receive, a second sends the tokens' hidden states, the
+rank's experts run on what arrived with one grouped matmul, and a third all-to-all
+returns each output to where its token lives. The router's weights are applied there,
+after the return, so their gradient stays on the token's rank. The backward of each
+all-to-all is the same exchange reversed.
+
+An expert's gradient on its rank is the sum over the tokens of the whole group, and FSDP
+then averages it over the ranks that hold it, ``world / N`` of them, where every other
+weight is averaged over ``world``: the experts' weights take their gradient times
+``1 / N`` (``_ScaledGradient``), so the step equals one process's on the same batch.
+
+LoRA on experts is computed here too, without a per-expert weight delta: the base's
+grouped matmul plus ``scaling * (x @ A_e^T) @ B_e^T`` as two grouped matmuls of rank r.
+peft's ``ParamWrapper`` modules keep the adapters (their names and layout, so the
+exported adapter is peft's), but their forward no longer folds ``B @ A`` into a copy of
+the whole expert stack. The adapters stay whole on every rank of an expert group (they
+are small); each rank reads the rows of its own experts.
+"""
+
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from litft.errors import LitftError
+from litft.experts import is_experts
+
+SPLIT = "_litft_expert_split"  # (group, size, place) set on an experts module whose experts are dealt out over a group
+ADAPTERS = "_litft_expert_adapters"  # [(parameter name, peft ParamWrapper)] set on an experts module with LoRA on its tensors
+PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # 3-D expert tensors, (experts, ...) first
+BIASES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+
+
+def check_model(config, size: int) -> None:
+    """One line when the model's experts cannot be dealt out over ``size`` ranks."""
+    if size == 1:
+        return
+    from litft.weights import skeleton
+
+    model = skeleton(config, torch.float32)
+    experts = [module for module in model.modules() if is_experts(module)]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not experts:
+        raise LitftError(f"--expert_parallel deals out MoE experts, and {text.model_type} has none litft can split "
+                         "(transformers' experts interface); drop --expert_parallel")
+    count = expert_count(experts[0])
+    if count % size:
+        raise LitftError(f"--expert_parallel {size} must divide the model's {count} experts per layer; choose a divisor of {count}")
+
+
+def expert_count(module: torch.nn.Module) -> int:
+    return next(getattr(module, name) for name in PROJECTIONS if hasattr(module, name)).shape[0]
+
+
+def expert_tensors(module: torch.nn.Module) -> List[str]:
+    """The experts module's own tensors that are dealt out by expert: its 3-D projections and their biases."""
+    return [name for name in PROJECTIONS + BIASES if isinstance(getattr(module, name, None), torch.nn.Parameter)]
+
+
+def split_experts(module: torch.nn.Module, mesh) -> None:
+    """Keep this rank's experts of ``module`` (already filled, whole) as DTensor shards on ``mesh`` (1-D, the expert group)."""
+    from torch.distributed.tensor import Shard
+
+    size, place = mesh.size(), mesh.get_local_rank()
+    for name in expert_tensors(module):
+        whole = getattr(module, name)
+        mine = whole.detach().chunk(size, dim=0)[place].clone()
+        split = DTensor.from_local(mine, mesh, [Shard(0)], run_check=False)
+        setattr(module, name, torch.nn.Parameter(split, requires_grad=whole.requires_grad))
+    setattr(module, SPLIT, (mesh.get_group(), size, place))
+    take_over_forward(module)
+
+
+def take_over_forward(module: torch.nn.Module) -> None:
+    """Run ``module`` (an experts module) through ``experts_forward`` from now on."""
+    module.forward = experts_forward.__get__(module)
+
+
+def compute_expert_lora(model: torch.nn.Module) -> int:
+    """Make the experts modules under peft's ParamWrapper compute their LoRA themselves (no weight delta); how many."""
+    taken = 0
+    for wrapper in model.modules():
+        if type(wrapper).__name__ != "ParamWrapper":
+            continue
+        inner = wrapper.get_base_layer()
+        while type(inner).__name__ == "ParamWrapper":
+            inner = inner.get_base_layer()
+        if not is_experts(inner):
+            continue
+        adapters = getattr(inner, ADAPTERS, None)
+        if adapters is None:
+            adapters = []
+            setattr(inner, ADAPTERS, adapters)
+            take_over_forward(inner)
+            taken += 1
+        adapters.append((wrapper.parameter_name, wrapper))
+        wrapper.forward = _passes_through(wrapper)
+    return taken
+
+
+def _passes_through(wrapper):
+    base = wrapper.base_layer
+
+    def forward(x, *args, **kwargs):
+        return base(x, *args, **kwargs)
+
+    return forward
+
+
+class _ScaledGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, factor: float):
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows ``send[i]`` at a time to rank ``i`` of the group, ``receive[i]`` rows from it; the backward sends them back."""
+
+    @staticmethod
+    def forward(ctx, rows, send: List[int], receive: List[int], group):
+        ctx.plan = (send, receive, group)
+        return _exchange(rows, send, receive, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, receive, group = ctx.plan
+        return _exchange(grad, receive, send, group), None, None, None
+
+
+def _exchange(rows: torch.Tensor, send: List[int], receive: List[int], group) -> torch.Tensor:
+    out = rows.new_empty((sum(receive), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=receive, input_split_sizes=send, group=group)
+    return out
+
+
+def _local(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """This rank's experts of ``tensor``; a trained one's gradient scaled by ``factor`` (1/N under expert parallel)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return _ScaledGradient.apply(local, factor) if factor != 1.0 and local.requires_grad else local
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts interface (tokens, each token's top-k experts and weights), with the experts split or adapted."""
+    group, size, place = getattr(self, SPLIT, (None, 1, 0))
+    tokens, top_k = top_k_index.shape
+    total = expert_count(self)
+    mine = total // size
+    expert_ids = top_k_index.reshape(-1)
+    order = torch.argsort(expert_ids, stable=True)  # pairs by expert, so by the rank that holds it
+    rows = hidden_states[order // top_k]
+    per_expert = torch.bincount(expert_ids, minlength=total)
+    if size > 1:
+        arriving = torch.empty_like(per_expert)  # arriving[i * mine + e]: pairs rank i sends to this rank's expert e
+        dist.all_to_all_single(arriving, per_expert, group=group)
+        send, receive = per_expert.view(size, mine).sum(1).tolist(), arriving.view(size, mine).sum(1).tolist()
+        rows = _AllToAll.apply(rows, send, receive, group)
+        by_source = arriving.view(size, mine)
+        local_ids = torch.repeat_interleave(torch.arange(mine, device=rows.device).repeat(size), arriving)
+        regroup = torch.argsort(local_ids, stable=True)  # arrived by source rank, each sorted by expert: now by expert
+        out = _run_experts(self, rows[regroup], by_source.sum(0), place * mine, 1.0 / size)
+        out = _AllToAll.apply(out[_inverse(regroup)], receive, send, group)
+    else:
+        out = _run_experts(self, rows, per_expert, 0, 1.0)
+    weighted = out[_inverse(order)] * top_k_weights.reshape(-1, 1)  # the router's weights, on the token's own rank
+    return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor, first: int, factor: float) -> torch.Tensor:
+    """This rank's experts on ``rows`` (sorted by expert, ``counts`` each): up (and gate), activation, down, without weights."""
+    from transformers.integrations.moe import _grouped_linear
+
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    row_experts = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts) if self.has_bias else None
+    adapters = dict(getattr(self, ADAPTERS, []))
+
+    def project(name: str, x: torch.Tensor) -> torch.Tensor:
+        weight = _local(getattr(self, name), factor)
+        bias = getattr(self, f"{name}_bias", None) if self.has_bias else None
+        out = _grouped_linear(x, weight, offsets, bias=None if bias is None else _local(bias, factor)[row_experts],
+                              is_transposed=self.is_transposed)
+        wrapper = adapters.get(name)
+        if wrapper is not None and not wrapper.disable_adapters and not wrapper.merged:
+            out = out + _low_rank(wrapper, x, offsets, first, counts.numel()).to(out.dtype)
+        return out
+
+    up = project("gate_up_proj" if self.has_gate else "up_proj", rows.to(_local(getattr(self, "down_proj"), 1.0).dtype))
+    hidden = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+    out = project("down_proj", hidden)
+    return self.post_expert_norm(out) if getattr(self, "has_post_expert_norm", False) else out
+
+
+def _low_rank(wrapper, x: torch.Tensor, offsets: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """``scaling * (x @ A_e^T) @ B_e^T`` for experts ``first .. first+count-1``, as two grouped matmuls (peft's adapter layout)."""
+    from transformers.integrations.moe import _grouped_linear
+
+    (name,) = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    total = wrapper.num_experts
+    a = wrapper.lora_A[name].weight  # (experts * r, in), expert-major
+    b = wrapper.lora_B[name].weight  # (out, r * experts), expert-minor
+    a = a.reshape(total, -1, a.shape[-1])[first:first + count]  # (count, r, in)
+    b = b.reshape(b.shape[0], -1, total).permute(2, 0, 1)[first:first + count].contiguous()  # (count, out, r): adapter-sized
+    low = _grouped_linear(x.to(a.dtype), a, offsets)
+    return _grouped_linear(low, b, offsets) * wrapper.scaling[name]
+
+
+def experts_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    return [module for module in model.modules() if is_experts(module)]
+
+
+def expert_mesh_shape(replicas: int, shard: int, size: int) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    """The experts' device mesh: FSDP's (replicate, shard) with each shard group cut into expert groups of ``size``.
+
+    Ranks of an expert group are consecutive, inside a node; the ranks holding the same experts are the
+    ``expert_shard`` dimension (and ``replicate`` across HYBRID_SHARD's groups), over which FSDP shards them.
+    """
+    if replicas > 1:
+        return (replicas, shard // size, size), ("replicate", "expert_shard", "expert")
+    return (shard // size, size), ("expert_shard", "expert")
+
+
+def expert_data_mesh(mesh):
+    """The part of the experts' mesh that FSDP shards (or replicates) experts over: every dimension but ``expert``."""
+    names = mesh.mesh_dim_names
+    return mesh["replicate", "expert_shard"] if "replicate" in names else mesh["expert_shard"]
+
+
+def local_share(name: str, size: int) -> float:
+    """The share of a tensor (by its name in the model) that a rank of an expert group holds."""
+    leaf = name.rsplit(".", 1)[-1]
+    return 1.0 / size if size > 1 and ".experts." in f".{name}" and leaf in PROJECTIONS + BIASES else 1.0
+
