@@ -34,10 +34,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from litft.errors import LitftError
-from litft.experts import is_experts
+from litft.experts import ADAPTERS, SPLIT, is_experts
 
-SPLIT = "_litft_expert_split"  # (group, size, place) set on an experts module whose experts are dealt out over a group
-ADAPTERS = "_litft_expert_adapters"  # [(parameter name, peft ParamWrapper)] set on an experts module with LoRA on its tensors
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # 3-D expert tensors, (experts, ...) first
 BIASES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 

@@ -17,6 +17,8 @@ from typing import Dict, List, Optional
 import torch
 
 CHOSEN = "grouped_mm"
+SPLIT = "_litft_expert_split"  # (group, size, place) on an experts module dealt out over a group (litft.expert_parallel)
+ADAPTERS = "_litft_expert_adapters"  # [(tensor name, peft ParamWrapper)] on an experts module with LoRA (litft.expert_parallel)
 
 
 def has_experts_interface(model: torch.nn.Module) -> bool:
@@ -59,8 +61,18 @@ def describe(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> Op
     if not has_experts_interface(model):
         return None
     chosen = model.config._experts_implementation
-    how = f" with {grouped_kernel(device_type, dtype)}" if chosen == "grouped_mm" else ""
-    return f"experts: {chosen}{how}"
+    first = next(module for module in model.modules() if is_experts(module))
+    split, adapters = getattr(first, SPLIT, None), getattr(first, ADAPTERS, None)
+    if split is None and adapters is None:
+        how = f" with {grouped_kernel(device_type, dtype)}" if chosen == "grouped_mm" else ""
+        return f"experts: {chosen}{how}"
+    line = f"experts: litft's grouped dispatch with {grouped_kernel(device_type, dtype)}"
+    if split is not None:
+        count = next(getattr(first, name) for name in ("gate_up_proj", "up_proj", "down_proj") if hasattr(first, name)).shape[0]
+        line += f", dealt out over {split[1]} ranks ({count // split[1]} of {count} per rank, tokens sent by all-to-all)"
+    if adapters is not None:
+        line += ", LoRA as grouped low-rank matmuls (no weight delta per expert)"
+    return line
 
 
 def is_experts(module: torch.nn.Module) -> bool:

@@ -15,17 +15,17 @@ from litft.errors import LitftError
 from litft.context_parallel import MARK, group_sum
 from litft.loss import fused_head
 from litft.preference import preference_loss, sequence_sums
-from litft.tiny import TINY_NAME, ensure_tiny_model
+from litft.tiny import TINY_MOE_NAME, TINY_NAME, ensure_tiny_model
 
 
 def resolve_model(name: str) -> str:
-    """A local directory for ``litft-tiny`` or a path; hub ids pass through unchanged.
+    """A local directory for ``litft-tiny`` (``litft-tiny-moe``) or a path; hub ids pass through unchanged.
 
     A string that names a filesystem location (it exists, starts with ``.``, ``/``
     or ``~``, or has more than one ``/``) must exist; anything else is a hub id.
     """
-    if name == TINY_NAME:
-        return str(ensure_tiny_model())
+    if name in (TINY_NAME, TINY_MOE_NAME):
+        return str(ensure_tiny_model(name))
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir() and not (path / "config.json").is_file():

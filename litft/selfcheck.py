@@ -47,11 +47,13 @@ class Case:
     context_parallel: int = 1  # ranks that split each sequence (the whole world of a distributed case, at most)
     tensor_parallel: int = 1  # ranks that split each block (FSDP only)
     objective: str = "sft"  # a preference objective (dpo, ipo, simpo, orpo) trains on TinyPreferences
+    expert_parallel: int = 1  # ranks that deal the experts out (FSDP only; trains litft-tiny-moe)
 
     @property
     def name(self) -> str:
         split = f" cp{self.context_parallel}" if self.context_parallel > 1 else ""
         split += f" tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        split += f" ep{self.expert_parallel}" if self.expert_parallel > 1 else ""
         split += f" {self.objective}" if self.objective != "sft" else ""
         return f"{self.job} {self.strategy}{split} {self.precision}"
 
@@ -61,10 +63,12 @@ class Case:
 
     def expected(self) -> Dict[str, str]:
         """The dtypes this case must show: attention's compute and input, and the checkpoint's trained tensors."""
-        from litft.strategies import DDP, FSDP, DeepSpeed, SingleDevice
+        from litft.config import Layout
+        from litft.strategies import strategy_class
 
         low = self.precision.startswith("bf16")
-        strategy = DeepSpeed if self.strategy.startswith("zero") else {"fsdp": FSDP, "ddp": DDP}.get(self.strategy, SingleDevice)
+        flags = self.flags(Path("unused"), "cpu", 2)
+        strategy = strategy_class(Layout(flags.get("strategy", "auto"), flags["devices"], 1, deepspeed=flags.get("deepspeed") or Layout().deepspeed))
         name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
         return {
             "attention": "bfloat16" if low else "float32",
@@ -81,6 +85,7 @@ class Case:
         devices = world if self.distributed else 1
         flags = dict(
             out_dir=out_dir, precision=self.precision, devices=devices, context_parallel=self.context_parallel, tensor_parallel=self.tensor_parallel,
+            expert_parallel=self.expert_parallel,
             accelerator=accelerator,
             overwrite=not self.resume,
             attn_implementation="litft_segments", logger_name="csv", seed=7,
@@ -96,6 +101,10 @@ class Case:
             flags.update(strategy="deepspeed", deepspeed=DeepSpeedArgs(stage=deepspeed_stage(self.strategy)))
         if self.job == "finetune_qlora":
             flags["quantize"] = "bnb.nf4"
+        if self.expert_parallel > 1:
+            from litft.tiny import TINY_MOE_NAME
+
+            flags["model"] = TINY_MOE_NAME
         if self.objective != "sft":
             from litft.config import ObjectiveArgs
             from litft.data.preference import TinyPreferences

@@ -1,10 +1,11 @@
-"""litft-tiny: a small Llama, its tokenizer and its task data, all generated here.
+"""litft-tiny: a small Llama, its tokenizer and its task data, all generated here; litft-tiny-moe: its mixture-of-experts twin.
 
 The machines litft is tested on cannot reach the Hugging Face hub, so the
 default model is built locally: a byte-level BPE tokenizer trained on the task
 text, and a randomly initialised Llama of about 0.8M parameters. It is a real
 transformers model directory, so every code path (loading, LoRA, export) is the
-one a hub model takes.
+one a hub model takes. litft-tiny-moe is a Qwen3-MoE of the same size class (8 experts,
+2 per token), with the same tokenizer, for what only a MoE exercises (expert parallel).
 """
 
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from litft.data.base import litft_home
 from litft.data.sft import alpaca_prompt
@@ -22,6 +23,7 @@ from litft.data.tiny import task_records
 
 TINY_NAME = "litft-tiny"
 TINY_VERSION = 1
+TINY_MOE_NAME = "litft-tiny-moe"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
@@ -29,19 +31,19 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_dir() -> Path:
-    return litft_home() / "models" / f"{TINY_NAME}-v{TINY_VERSION}"
+def tiny_dir(name: str = TINY_NAME) -> Path:
+    return litft_home() / "models" / f"{name}-v{TINY_VERSION}"
 
 
-def ensure_tiny_model() -> Path:
-    """Build litft-tiny once per machine; concurrent builders race to one atomic rename."""
-    target = tiny_dir()
+def ensure_tiny_model(name: str = TINY_NAME) -> Path:
+    """Build litft-tiny (or litft-tiny-moe) once per machine; concurrent builders race to one atomic rename."""
+    target = tiny_dir(name)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.build{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_model(staging)
+    build_tiny_model(staging, moe=name == TINY_MOE_NAME)
     try:
         os.rename(staging, target)
     except OSError:
@@ -72,23 +74,19 @@ def build_tokenizer():
     return wrapped
 
 
-def build_tiny_model(path: Path) -> None:
+def build_tiny_model(path: Path, moe: bool = False) -> None:
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
+    if moe:
+        config = Qwen3MoeConfig(**common, intermediate_size=384, moe_intermediate_size=96, num_experts=8, num_experts_per_tok=2, head_dim=32)
+    else:
+        config = LlamaConfig(**common, intermediate_size=384)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = Qwen3MoeForCausalLM(config) if moe else LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     # Written directly: transformers' save_pretrained has accelerate import DeepSpeed (and log its accelerator) on a first run.

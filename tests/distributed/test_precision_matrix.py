@@ -32,10 +32,12 @@ def test_every_job_strategy_and_precision(tmp_path):
     assert by_name["finetune_qlora zero3 bf16-mixed"]["saved"] == ["float32"]
 
 
-def test_context_tensor_parallel_and_preference_under_each_sharding_and_bf16_precision(tmp_path):
+def test_context_tensor_expert_parallel_and_preference_under_each_sharding_and_bf16_precision(tmp_path):
     """A context group of both ranks, through the kernel's branch: each job with each sharding, each sharding with each bf16
     precision; a tensor-parallel group of both ranks under FSDP, full and LoRA, in each bf16 precision (the exact matches
-    with one process are tests/distributed/test_sharding.py's, in fp32); preference objectives under each."""
+    with one process are tests/distributed/test_sharding.py's, in fp32); an expert group of both ranks (litft-tiny-moe),
+    full, LoRA and QLoRA, in each bf16 precision (exact in fp32: tests/distributed/test_expert_parallel.py); preference
+    objectives under each."""
     cases = [
         Case(job, strategy, precision, context_parallel=2)
         for job, strategy, precision in (
@@ -43,6 +45,8 @@ def test_context_tensor_parallel_and_preference_under_each_sharding_and_bf16_pre
             ("finetune_qlora", "fsdp", "bf16-mixed"), ("finetune_qlora", "zero3", "bf16-true"),
         )
     ] + [Case("finetune_full", "fsdp", "bf16-mixed", tensor_parallel=2), Case("finetune_lora", "fsdp", "bf16-true", tensor_parallel=2)]
+    cases += [Case("finetune_full", "fsdp", "bf16-true", expert_parallel=2), Case("finetune_lora", "fsdp", "bf16-mixed", expert_parallel=2),
+              Case("finetune_qlora", "fsdp", "bf16-true", expert_parallel=2)]
     # Preference objectives in the bf16 precisions, on the processes already started (their exact matches are in fp32:
     # tests/distributed/test_preference.py): the adapter-off reference, the precomputed one, and a reference-free objective.
     cases += [

@@ -118,6 +118,17 @@ def test_unknown_flags_are_named_before_anything_runs(tmp_path, capsys, monkeypa
         (["--devices", "4", "--strategy", "fsdp", "--tensor_parallel", "2", "--context_parallel", "2"], "together are not supported yet"),
         (["--devices", "2", "--strategy", "fsdp", "--tensor_parallel", "2", "--compile", "true"], "--compile true is not yet supported with --tensor_parallel"),
         (["--devices", "4", "--strategy", "fsdp", "--tensor_parallel", "2", "--train.global_batch_size", "6"], "not divisible by micro_batch_size x world size"),
+        (["--devices", "3", "--strategy", "fsdp", "--expert_parallel", "2", "--train.global_batch_size", "6"], "--expert_parallel 2 must divide --devices 3"),
+        (["--devices", "2", "--strategy", "deepspeed", "--expert_parallel", "2"], "--expert_parallel deals experts out as DTensors that FSDP2 shards further; DeepSpeed cannot"),
+        (["--devices", "2", "--expert_parallel", "2"], "--expert_parallel deals experts out as DTensors that FSDP2 shards further; DDP cannot"),
+        (["--devices", "2", "--strategy", "fsdp", "--expert_parallel", "2"], "--expert_parallel deals out MoE experts, and llama has none"),
+        (["--model", "litft-tiny-moe", "--devices", "3", "--strategy", "fsdp", "--expert_parallel", "3", "--train.global_batch_size", "24"],
+         "--expert_parallel 3 must divide the model's 8 experts per layer"),
+        (["--devices", "2", "--strategy", "fsdp", "--fsdp.sharding_strategy", "NO_SHARD", "--expert_parallel", "2"],
+         "--expert_parallel 2 must divide FSDP's shard group (1 ranks under NO_SHARD)"),
+        (["--devices", "4", "--strategy", "fsdp", "--expert_parallel", "2", "--tensor_parallel", "2"], "--expert_parallel and --tensor_parallel together"),
+        (["--model", "litft-tiny-moe", "--devices", "2", "--strategy", "fsdp", "--expert_parallel", "2", "--compile", "true"],
+         "--compile true is not yet supported with --expert_parallel"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
