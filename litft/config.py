@@ -296,7 +296,7 @@ class Layout:
         """The layout a command's flat flags give (a job's, or litft estimate's)."""
         return cls(
             flags["strategy"], flags["devices"], flags["num_nodes"], flags["fsdp"], flags["deepspeed"], flags["context_parallel"],
-            flags["tensor_parallel"], flags.get("expert_parallel", 1),
+            flags["tensor_parallel"], flags["expert_parallel"],
         )
 
     @property

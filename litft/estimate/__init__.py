@@ -17,7 +17,7 @@ from litft.config import TrainArgs
 from litft.estimate.plan import plan_memory, render
 from litft.flags import (
     CONTEXT_PARALLEL, DEEPSPEED, DEVICES, FSDP, JOB, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, MODEL, NUM_NODES, OBJECTIVE, PRECISION, QUANTIZE,
-    STRATEGY, TENSOR_PARALLEL, TRAIN, Flag, command, required,
+    EXPERT_PARALLEL, STRATEGY, TENSOR_PARALLEL, TRAIN, Flag, command, required,
 )
 
 ESTIMATE_FLAGS = [
@@ -31,6 +31,7 @@ ESTIMATE_FLAGS = [
     DEEPSPEED,
     CONTEXT_PARALLEL.but(help="Ranks of a node that split each sequence between them: activations per rank shrink that many times."),
     TENSOR_PARALLEL.but(help="Ranks of a node that split each block's heads and MLP (with --strategy fsdp): the blocks' weights per rank and their inner activations shrink that many times."),
+    EXPERT_PARALLEL.but(help="Ranks of a node that deal each MoE layer's experts out (with --strategy fsdp): FSDP gathers only a rank's experts, and each MoE layer sends and receives its tokens by all-to-all."),
     QUANTIZE.but(help="QLoRA's 4-bit base (finetune_lora only)."),
     LORA_R,
     LORA_ALPHA.but(help="Adapter scale numerator."),

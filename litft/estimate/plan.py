@@ -15,6 +15,9 @@ from litft.logs import quiet_libraries
 from litft.memory import GiB, Row
 from litft.model import check_architecture, load_config, resolve_model
 from litft.strategies import checked_strategy_class
+from litft.expert_parallel import check_model as check_experts
+from litft.expert_parallel import local_share
+from litft.flops import flops_per_token, model_shape
 from litft.tensor_parallel import check_model, one_rank_of
 
 # Memory as torch.cuda reports total_memory, in GiB (a little under the marketed size).
@@ -80,6 +83,23 @@ def reference_line(objective: ObjectiveArgs, lora: bool) -> str:
     return "the base with the adapter off: no second copy, one no-grad forward per micro-batch (counted in the activations)"
 
 
+def experts_facts(config, tensors, size: int, tokens: int, itemsize: int, seq_len: int) -> Optional[dict]:
+    """A MoE model's experts as the estimate shows them: a rank's share, the tokens' dispatch buffers, the active FLOPs."""
+    shape = model_shape(config)
+    if not shape.router:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = int(getattr(text, "num_experts_per_tok", None) or getattr(text, "num_experts_per_token", 1))
+    every = sum(t.numel for t in tensors)
+    experts = sum(t.numel for t in tensors if local_share(t.name, 2) < 1)  # the tensors dealt out by expert
+    return {
+        "per_layer": shape.router, "per_rank": shape.router // size, "top_k": top_k,
+        # Sent and received: every (token, expert) row of the layer leaves and arrives (balanced routing), then returns.
+        "dispatch_bytes": 2 * tokens * top_k * text.hidden_size * itemsize,
+        "flops_per_token": flops_per_token(config, seq_len), "active_parameters": int(every - experts * (1 - top_k / shape.router)),
+    }
+
+
 def plan_memory(flags: dict) -> dict:
     """Everything ``litft estimate`` prints, as a dict of bytes."""
     gpu_name, capacity = device_memory(flags["gpu"], flags["device_memory_gb"])
@@ -94,6 +114,7 @@ def plan_memory(flags: dict) -> dict:
     check_architecture(config)
     check_heads(config, layout.context_parallel)
     check_model(config, layout.tensor_parallel, flags["quantize"])
+    check_experts(config, layout.expert_parallel)
     if flags["attention"] is not None:
         config._attn_implementation = flags["attention"]
     frozen_dtype = strategy.frozen_base_dtype(precision)
@@ -117,6 +138,10 @@ def plan_memory(flags: dict) -> dict:
     if flags["quantize"] is not None:
         biggest = max((t.numel for t in tensors if t.quantized), default=0)
         buffers.append(("bnb dequantized weight", Row(biggest * element_size(compute_dtype(precision)), note="the largest 4-bit layer, during its matmul")))
+    experts = experts_facts(config, tensors, layout.expert_parallel, train.micro_batch_size * tokens_per_rank * (2 if objective.preference else 1),
+                            element_size(compute_dtype(precision)), flags["seq_len"])
+    if experts and layout.expert_parallel > 1:
+        buffers.append(("expert dispatch (all-to-all)", Row(experts["dispatch_bytes"], note="one MoE layer's (token, expert) rows, sent and received")))
     context = CUDA_CONTEXT + (NCCL_BUFFERS if layout.world_size > 1 else 0)
 
     gpu_fixed = states.params.gpu + states.grads.gpu + states.optimizer.gpu + context
@@ -143,6 +168,8 @@ def plan_memory(flags: dict) -> dict:
         "seq_len": flags["seq_len"],
         "context_parallel": layout.context_parallel,
         "tensor_parallel": layout.tensor_parallel,
+        "expert_parallel": layout.expert_parallel,
+        "experts": experts,
         "gradient_checkpointing": train.gradient_checkpointing,
         "attention": config._attn_implementation,
         "parameters": {
@@ -205,6 +232,10 @@ def render(plan: dict) -> str:
         + (f" split over {plan['context_parallel']} ranks (context parallel)" if plan["context_parallel"] > 1 else "")
         + (f", blocks split over {plan['tensor_parallel']} ranks (tensor parallel)" if plan["tensor_parallel"] > 1 else "") + ", "
         f"activation checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, {plan['attention']} attention",
+        *([f"experts: {e['per_rank']} of {e['per_layer']} per MoE layer on each rank"
+           + (f" (dealt out over {plan['expert_parallel']} ranks)" if plan["expert_parallel"] > 1 else "")
+           + f", {e['top_k']} per token; {_count(e['active_parameters'])} active parameters per token, "
+           f"{e['flops_per_token'] / 1e9:.2f} GFLOPs per token trained (forward and backward)" for e in [plan.get("experts")] if e]),
         *([f"objective {plan['objective']}: {plan['micro_batch_size']} pairs per micro-batch (two sequences each); reference: {plan['reference']}"]
           if plan.get("objective", "sft") != "sft" else []),
         "",

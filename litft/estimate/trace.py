@@ -155,6 +155,23 @@ def _masks_as_in_real_steps():
             setattr(masking, name, value)
 
 
+@contextmanager
+def _grouped_experts_traceable():
+    """torch's fake grouped_mm takes bf16 alone (its CUDA fast path's rule), where the real CPU and CUDA kernels take every
+    float dtype; for the trace, other dtypes take transformers' per-expert fallback, whose buffers are the same size."""
+    try:
+        import transformers.integrations.moe as moe
+    except ImportError:
+        yield
+        return
+    original = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda input, weight, offs: weight.dtype == torch.bfloat16 and original(input, weight, offs)
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
 @dataclass
 class Trace:
     """Live bytes of one training step, without parameters and gradients."""
@@ -195,7 +212,7 @@ def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int, o
                 batch["reference"] = torch.zeros(pairs, 2)
         cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
         # The loop's shape: forward and backward inside one autocast region, which caches weight casts for both.
-        with _masks_as_in_real_steps(), ledger.mode(), cast:
+        with _masks_as_in_real_steps(), _grouped_experts_traceable(), ledger.mode(), cast:
             loss = lm.training_step(batch)
             ledger.mark("forward")
             loss.backward()

@@ -24,7 +24,7 @@ from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
 from litft.strategies.base import Fill, TrainingStrategy
-from litft.expert_parallel import expert_data_mesh, expert_mesh_shape, experts_modules, split_experts
+from litft.expert_parallel import expert_data_mesh, expert_mesh_shape, experts_modules, local_share, split_experts
 from litft.tensor_parallel import clip_by_global_norm, parallelize_block, split_over_tensor_parallel, sum_partial_gradients
 from litft.weights import transformer_blocks
 
@@ -275,8 +275,13 @@ class FSDP(TrainingStrategy):
         # A tensor-parallel split comes first (whole heads per rank), FSDP shards what a rank keeps.
         kept = {t.name: 1 / tp if tp > 1 and split_over_tensor_parallel(t.name) else 1.0 for t in tensors}
         local = {t.name: local_elements(t, shard) * kept[t.name] for t in tensors}
+        # An expert group's experts are sharded over the ranks holding the same ones: 1/N of them over 1/N as many
+        # ranks, the same share of each tensor, but FSDP gathers (and reduces) only this rank's experts.
+        gathered_share = {name: share * local_share(name, layout.expert_parallel) for name, share in kept.items()}
         grads = sum(local[t.name] * t.itemsize for t in trained)
-        params = Row(sum(local[t.name] * t.itemsize + t.quant_state for t in tensors), note=", ".join(filter(None, [f"blocks split 1/{tp}" if tp > 1 else "", f"shards of 1/{shard}" if shard > 1 else ""])))
+        ep = layout.expert_parallel
+        params = Row(sum(local[t.name] * t.itemsize + t.quant_state for t in tensors), note=", ".join(filter(None, [
+            f"blocks split 1/{tp}" if tp > 1 else "", f"experts dealt out 1/{ep}" if ep > 1 else "", f"shards of 1/{shard}" if shard > 1 else ""])))
         optimizer = Row(2 * grads + 4 * len(trained), note="AdamW exp_avg + exp_avg_sq of the shards")
         states = States(params=params, grads=Row(grads), optimizer=optimizer, step=Row(0, note="fused AdamW updates in place"))
         if fsdp.cpu_offload:
@@ -284,7 +289,7 @@ class FSDP(TrainingStrategy):
             states.grads = states.grads.moved_to_cpu("sharded, offloaded to CPU")
             states.optimizer = optimizer.moved_to_cpu("AdamW steps on the CPU")
             states.step = states.step.moved_to_cpu("")
-        units, trained_units = _unit_sizes(tensors, low if mixed else None, kept)
+        units, trained_units = _unit_sizes(tensors, low if mixed else None, gathered_share)
         root = units.pop("root", 0)
         if fsdp.sharding_strategy == "SHARD_GRAD_OP":
             gathered, how = root + sum(units.values()), "every unit stays gathered from forward to backward"

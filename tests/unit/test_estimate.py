@@ -219,10 +219,34 @@ def test_tensor_parallel_splits_the_blocks_before_fsdp_shards_them(tiny_dir):
     assert plans[2]["activations"]["per_layer"] < plans[1]["activations"]["per_layer"]
 
 
+def test_expert_parallel_gathers_a_ranks_experts_and_adds_the_dispatch():
+    """Per rank: the same shards as FSDP alone (1/N of the experts over 1/N as many ranks), but a block gathers 1/N of its
+    experts; each MoE layer's (token, expert) rows are sent and received; the active parameters are the top-k experts'."""
+    from litft.estimate import memory_plan
+
+    plans = {
+        ep: memory_plan(model="litft-tiny-moe", job="finetune_full", strategy="fsdp", fsdp=FSDPArgs("FULL_SHARD"), devices=4, expert_parallel=ep,
+                        precision="32-true", seq_len=256)
+        for ep in (1, 4)
+    }
+    one, four = plans[1], plans[4]
+    assert four["per_rank"]["params"]["gpu"] == one["per_rank"]["params"]["gpu"] and "experts dealt out 1/4" in four["per_rank"]["params"]["note"]
+    # litft-tiny-moe: hidden 128, 8 experts of width 96 (gate, up, down), 4 layers; two blocks are gathered at a time.
+    experts_per_block = 8 * 3 * 128 * 96 * 4
+    gathered = lambda plan: plan["per_rank"]["buffers"]["FSDP all-gathered parameters"]["gpu"]  # noqa: E731
+    assert gathered(one) - gathered(four) == 2 * experts_per_block * 3 / 4
+    assert "expert dispatch (all-to-all)" not in one["per_rank"]["buffers"]
+    assert four["per_rank"]["buffers"]["expert dispatch (all-to-all)"]["gpu"] == 2 * 256 * 2 * 128 * 4
+    assert four["experts"]["per_rank"] == 2 and one["experts"]["per_rank"] == 8
+    assert four["experts"]["active_parameters"] == four["parameters"]["total"] - 4 * experts_per_block // 4 * 6 // 8
+    assert "experts: 2 of 8 per MoE layer on each rank (dealt out over 4 ranks), 2 per token" in render(four)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD", "--fsdp.shard_size", "2"], "only applies to HYBRID_SHARD"),
+        (["--strategy", "fsdp", "--devices", "2", "--expert_parallel", "2"], "--expert_parallel deals out MoE experts, and llama has none"),
         (["--job", "finetune_full", "--quantize", "bnb.nf4"], "--quantize trains 4-bit weights only through LoRA adapters"),
         (["--strategy", "deepspeed", "--deepspeed.offload_parameters", "cpu"], "offload_parameters needs --deepspeed.stage 3"),
         (["--strategy", "fsdp", "--gpu", "V100"], "fp16 needs loss scaling that FSDP2 lacks"),
