@@ -17,22 +17,25 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def random_weights(name: str, work: Path) -> Path:
-    """The config's model with random bf16 weights and litft-tiny's tokenizer, saved as a model folder."""
+def random_weights(name: str, work: Path, layers: Optional[int] = None) -> Path:
+    """The config's model (``layers`` of its layers) with random bf16 weights and litft-tiny's tokenizer, saved as a model folder."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from litft.tiny import ensure_tiny_model
 
     shipped = ROOT / "config_hub" / "models" / name
-    folder = work / f"{Path(name).name}-random"
+    folder = work / f"{Path(name).name}-random{f'-{layers}' if layers else ''}"
     if (folder / "config.json").is_file():
         return folder
     config = AutoConfig.from_pretrained(shipped if shipped.is_dir() else name)
+    if layers:
+        config.num_hidden_layers = layers
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)

@@ -71,6 +71,7 @@ class Workload:
     seq_len: int = 1024
     lora_r: int = 8
     shape: Optional[str] = None  # a config_hub/models name: random weights of that shape (the GPU runs)
+    layers: Optional[int] = None  # of the shape's layers, where the whole model would not fit one GPU
 
 
 # The GPU table of ../shared/GPU.md and issue 27: one H100, sequence 2048 unless --seq_len says otherwise.
@@ -81,6 +82,8 @@ CUDA_RUNS = {
     "1b-chat": Workload("full", "bf16-true", data="chat", micro_batch=4, global_batch=16, lora_r=16, shape="llama-3.2-1b"),
     "8b-lora": Workload("lora", "bf16-true", data="tokens", micro_batch=2, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
     "8b-qlora": Workload("lora", "bf16-true", "bnb.nf4", data="tokens", micro_batch=2, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
+    # Qwen3-30B-A3B's layers (128 experts, 8 per token), 12 of its 48 (7.9B parameters): MFU counts the active ones.
+    "30b-a3b-lora": Workload("lora", "bf16-true", data="tokens", micro_batch=1, global_batch=4, lora_r=16, shape="qwen3-30b-a3b", layers=12),
 }
 
 
@@ -313,7 +316,7 @@ def workloads(args) -> dict:
     chosen = {}
     for name in args.runs.split(","):
         load = Workload(**{**asdict(CUDA_RUNS[name]), "seq_len": args.seq_len})
-        chosen[name] = (load, random_weights(load.shape, args.work_dir))
+        chosen[name] = (load, random_weights(load.shape, args.work_dir, load.layers))
     longest = max(load.seq_len * load.global_batch for load, _ in chosen.values())
     random_text(args.work_dir, longest * (args.steps + 2))
     return chosen
