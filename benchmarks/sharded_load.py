@@ -19,7 +19,7 @@ from transformers import LlamaForCausalLM
 
 from litft.config import FSDPArgs, Layout, TrainArgs
 from litft.model import CausalLM, load_config
-from litft.strategies import strategy_class
+from litft.parallel.strategies import strategy_class
 from litft.weights import CheckpointWeights, Materializer, skeleton
 
 

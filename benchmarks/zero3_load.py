@@ -29,7 +29,7 @@ from transformers import LlamaForCausalLM
 
 from litft.build import build_module
 from litft.config import DeepSpeedArgs, Layout, LoraArgs, TrainArgs
-from litft.strategies import DeepSpeed
+from litft.parallel.strategies import DeepSpeed
 
 JOBS = {"full": None, "lora": LoraArgs(r=8, dropout=0.0), "qlora": LoraArgs(r=8, dropout=0.0, quantize="bnb.nf4")}
 RESULT = re.compile(r"RESULT (\w+) (\w+) (\d+) (-?[\d.]+) (-?[\d.]+) (-?[\d.]+)")

@@ -25,9 +25,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from litft import context_parallel
 from litft.data.base import cumulative_lengths
 from litft.errors import LitftError
+from litft.parallel import context as context_parallel
 
 SEGMENTS = "litft_segments"
 # What --attn_implementation takes; "auto" picks the fastest that keeps packed samples apart.
@@ -165,7 +165,7 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
     """transformers' attention interface: q (B, H, S, D), k and v (B, KV, S, D) -> (B, S, H, D), attending inside samples.
 
     A padding mask (generation of left-padded prompts) or a KV cache goes to transformers' SDPA path as it is. A batch
-    split over a context group (litft.context_parallel) attends over its whole rows, with heads dealt out over the group.
+    split over a context group (litft.parallel.context) attends over its whole rows, with heads dealt out over the group.
     """
     if kwargs.get(context_parallel.MARK):
         if attention_mask is not None:  # each rank would attend inside its own slice only

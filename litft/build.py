@@ -16,12 +16,12 @@ from transformers.quantizers import AutoHfQuantizer
 
 from litft.config import LoraArgs, ObjectiveArgs, TrainArgs
 from litft.device import compute_dtype, param_dtype
-from litft.expert_parallel import compute_expert_lora
 from litft.experts import use_grouped_experts
 from litft.lora import apply_lora, quantization_config, quiet_peft
 from litft.loss import fuse_target_loss
 from litft.model import CausalLM, keep_4bit_training_layout, load_causal_lm, load_config
-from litft.strategies.base import Fill, TrainingStrategy
+from litft.parallel.expert import compute_expert_lora
+from litft.parallel.strategies.base import Fill, TrainingStrategy
 from litft.weights import (
     AdapterInit, CheckpointWeights, Materializer, checkpoint_in_model_layout, locate_checkpoint, skeleton, transformer_blocks,
 )

@@ -287,9 +287,9 @@ class Layout:
     num_nodes: int = 1
     fsdp: FSDPArgs = field(default_factory=FSDPArgs)
     deepspeed: DeepSpeedArgs = field(default_factory=DeepSpeedArgs)
-    context_parallel: int = 1  # ranks that split each sequence between them (litft.context_parallel)
-    tensor_parallel: int = 1  # ranks that split each block's weights between them (litft.tensor_parallel)
-    expert_parallel: int = 1  # ranks that deal each MoE layer's experts out between them (litft.expert_parallel)
+    context_parallel: int = 1  # ranks that split each sequence between them (litft.parallel.context)
+    tensor_parallel: int = 1  # ranks that split each block's weights between them (litft.parallel.tensor)
+    expert_parallel: int = 1  # ranks that deal each MoE layer's experts out between them (litft.parallel.expert)
 
     @classmethod
     def of(cls, flags: dict) -> "Layout":

@@ -5,9 +5,9 @@ from typing import List, Optional
 
 import torch
 
-from litft.context_parallel import ContextSplit
 from litft.data.base import PreparedData, Prompted, collate, eval_batches
 from litft.model import target_tokens
+from litft.parallel.context import ContextSplit
 
 
 @torch.no_grad()

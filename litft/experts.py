@@ -17,8 +17,8 @@ from typing import Dict, List, Optional
 import torch
 
 CHOSEN = "grouped_mm"
-SPLIT = "_litft_expert_split"  # (group, size, place) on an experts module dealt out over a group (litft.expert_parallel)
-ADAPTERS = "_litft_expert_adapters"  # [(tensor name, peft ParamWrapper)] on an experts module with LoRA (litft.expert_parallel)
+SPLIT = "_litft_expert_split"  # (group, size, place) on an experts module dealt out over a group (litft.parallel.expert)
+ADAPTERS = "_litft_expert_adapters"  # [(tensor name, peft ParamWrapper)] on an experts module with LoRA (litft.parallel.expert)
 
 
 def has_experts_interface(model: torch.nn.Module) -> bool:

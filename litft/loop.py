@@ -115,7 +115,7 @@ def next_batch(trainer) -> Optional[StepBatch]:
 def train_step(trainer, batch: StepBatch) -> None:
     """Forward and backward of every micro-batch, one optimizer step, and the step's metrics."""
     fabric, module, optimizer, state = trainer.fabric, trainer.module, trainer.optimizer, trainer.state
-    scale = fabric.world_size / max(batch.targets, 1)  # data ranks / targets under tensor parallel (see litft.tensor_parallel)
+    scale = fabric.world_size / max(batch.targets, 1)  # data ranks / targets under tensor parallel (see litft.parallel.tensor)
     loss_sum = torch.zeros((), dtype=torch.float64, device=fabric.device)
     for i, micro in enumerate(batch.micro):
         micro = fabric.to_device(micro)

@@ -12,8 +12,8 @@ from litft.attention import PACKED_SAFE, SEGMENTS
 from litft.config import ObjectiveArgs, TrainArgs
 from litft.data.base import targets_of
 from litft.errors import LitftError
-from litft.context_parallel import MARK, group_sum
 from litft.loss import fused_head
+from litft.parallel.context import MARK, group_sum
 from litft.preference import preference_loss, sequence_sums
 from litft.tiny import TINY_MOE_NAME, TINY_NAME, ensure_tiny_model
 

@@ -64,7 +64,7 @@ class Case:
     def expected(self) -> Dict[str, str]:
         """The dtypes this case must show: attention's compute and input, and the checkpoint's trained tensors."""
         from litft.config import Layout
-        from litft.strategies import strategy_class
+        from litft.parallel.strategies import strategy_class
 
         low = self.precision.startswith("bf16")
         flags = self.flags(Path("unused"), "cpu", 2)

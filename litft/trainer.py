@@ -26,7 +26,6 @@ from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
 from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.checkpoint.format import RUN_CONFIG
 from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, launcher, leave_process_group, preflight, restarted
-from litft.context_parallel import ContextSplit, check_heads, join_context_groups
 from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
 from litft.data.stream import StreamSource
 from litft.device import compute_dtype, cuda_allocator_defaults, map_large_host_allocations, param_dtype, resolve_accelerator, resolve_precision
@@ -38,14 +37,16 @@ from litft.logs import close_loggers, continue_logs, log_config, make_loggers, q
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
 from litft.model import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
+from litft.parallel.context import check_heads, join_context_groups
+from litft.parallel.expert import check_model as check_experts
+from litft.parallel.mesh import Mesh
+from litft.parallel.strategies import checked_strategy_class
+from litft.parallel.tensor import check_model
 from litft.plot import plot_losses
 from litft.preference import REFERENCE_FILE, attach_reference, score_pairs
 from litft.profiling import StepProfiler
 from litft.ranks import on_rank_zero, rank_zero_first
 from litft.spec import RunResult, RunSpec
-from litft.strategies import checked_strategy_class
-from litft.expert_parallel import check_model as check_experts
-from litft.tensor_parallel import check_model
 from litft.watch import PeerWatch, StopSignals
 
 def plan_steps(train, num_samples: int, mean_tokens: float) -> int:
@@ -68,7 +69,7 @@ class Trainer:
     def __init__(self, spec: RunSpec, fabric, strategy, precision: str, attention: str):
         self.spec, self.fabric, self.strategy, self.precision, self.attention = spec, fabric, strategy, precision, attention
         self.state = LoopState()
-        self.context = ContextSplit.of(fabric.global_rank, fabric.world_size, spec.layout.context_parallel, spec.layout.tensor_parallel)
+        self.context = Mesh.of(spec.layout).context_split(fabric.global_rank)
         self.stops = StopRequests()
         self.watch = PeerWatch.idle()
 

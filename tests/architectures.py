@@ -80,8 +80,8 @@ def save_tiny(architecture: Architecture, folder: Path, seed: int = 0) -> Path:
     """The architecture's tiny model, random at its initializer range, saved as save_pretrained saves it (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from litft.tiny import ensure_tiny_model
     from litft.model import load_tokenizer
+    from litft.tiny import ensure_tiny_model
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(architecture.build(), dtype=torch.float32)
@@ -155,10 +155,10 @@ def attention_path(architecture: Architecture) -> str:
 
 def table() -> str:
     """The README's table of architectures: what the conformance test checks, and what each runs under CP and TP."""
-    from litft.context_parallel import check_heads
     from litft.errors import LitftError
     from litft.model import check_architecture
-    from litft.tensor_parallel import check_model
+    from litft.parallel.context import check_heads
+    from litft.parallel.tensor import check_model
 
     def verdict(check, config) -> str:
         try:

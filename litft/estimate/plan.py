@@ -6,19 +6,18 @@ from typing import Optional, Tuple
 
 from litft.build import build_model
 from litft.config import Layout, LoraArgs, ObjectiveArgs, TrainArgs
-from litft.context_parallel import check_heads
 from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.estimate.inventory import model_tensors
 from litft.estimate.trace import trace_activations
+from litft.flops import flops_per_token, model_shape
 from litft.logs import quiet_libraries
 from litft.memory import GiB, Row
 from litft.model import check_architecture, load_config, resolve_model
-from litft.strategies import checked_strategy_class
-from litft.expert_parallel import check_model as check_experts
-from litft.expert_parallel import local_share
-from litft.flops import flops_per_token, model_shape
-from litft.tensor_parallel import check_model, one_rank_of
+from litft.parallel.context import check_heads
+from litft.parallel.expert import check_model as check_experts, local_share
+from litft.parallel.strategies import checked_strategy_class
+from litft.parallel.tensor import check_model, one_rank_of
 
 # Memory as torch.cuda reports total_memory, in GiB (a little under the marketed size).
 GPUS = {

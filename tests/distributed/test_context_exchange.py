@@ -14,9 +14,9 @@ WINDOW = 4  # a sliding window shorter than the second sample (Mistral, Gemma): 
 
 
 def whole_rows_and_slices(rank: int, store_path: str) -> None:
-    from litft import context_parallel
     from litft.attention import _attend_in_samples, segments_attention
     from litft.data.base import cumulative_lengths
+    from litft.parallel import context as context_parallel
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     width = sum(LENGTHS)

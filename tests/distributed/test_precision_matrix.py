@@ -12,8 +12,8 @@ import pytest
 
 from litft.config import DeepSpeedArgs, FSDPArgs, Layout
 from litft.errors import LitftError
+from litft.parallel.strategies import checked_strategy_class
 from litft.selfcheck import Case, matrix, run_case, run_matrix, summary_line
-from litft.strategies import checked_strategy_class
 from tests.conftest import ROOT
 
 STANDIN = {"LITFT_VARLEN_KERNEL": "tests.varlen_standins:varlen_attn_2_11", "PYTHONPATH": str(ROOT)}

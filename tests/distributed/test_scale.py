@@ -24,7 +24,7 @@ import json, sys
 from contextlib import contextmanager
 import torch
 from torch.distributed.tensor import DTensor
-from litft.strategies import fsdp
+from litft.parallel.strategies import fsdp
 inner = fsdp.ReplicaSync.no_backward_sync
 @contextmanager
 def recording(self, module, enabled):

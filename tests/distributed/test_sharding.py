@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from litft.tensor_parallel import split_over_tensor_parallel
+from litft.parallel.tensor import split_over_tensor_parallel
 from tests.conftest import ROOT, final_value, read_metrics, run_cli, run_recording_zero3_partitions, step_losses
 
 COMMON = [

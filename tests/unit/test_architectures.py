@@ -145,8 +145,8 @@ def test_context_and_tensor_parallel_refuse_what_they_cannot_split(folders):
     names, a plan style litft does not know, and a per-head norm beside split heads with no plan for its gradient."""
     from transformers import AutoConfig
 
-    from litft.context_parallel import check_heads
-    from litft.tensor_parallel import check_model
+    from litft.parallel.context import check_heads
+    from litft.parallel.tensor import check_model
 
     config = lambda name: load_config(str(folders[name]))  # noqa: E731
     for name in ("llama", "mistral (window)", "gemma2", "qwen3-moe", "qwen3", "phi3", "olmo2", "gpt-neox"):
@@ -173,7 +173,7 @@ def test_context_and_tensor_parallel_refuse_what_they_cannot_split(folders):
 def test_tensor_parallel_splits_as_the_models_plan_says(folders):
     """What each block layer becomes under TP: the plan's styles (fused projections gathered, per-head norms summed, experts
     whole), Llama's names only where a model has no plan."""
-    from litft.tensor_parallel import block_plan, split_layers
+    from litft.parallel.tensor import block_plan, split_layers
     from litft.weights import skeleton, transformer_blocks
 
     def kinds(name):

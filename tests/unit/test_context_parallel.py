@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from litft.context_parallel import MARK, ContextSplit, slice_batch
 from litft.data.base import IGNORE_INDEX, collate
+from litft.parallel.context import MARK, ContextSplit, slice_batch
 
 
 def sample(length, prompt, seed):

@@ -9,7 +9,7 @@ import torch
 from litft.config import DeepSpeedArgs, FSDPArgs, Layout, LoraArgs, TrainArgs
 from litft.estimate import render
 from litft.memory import GiB, Param
-from litft.strategies import SingleDevice, strategy_class
+from litft.parallel.strategies import SingleDevice, strategy_class
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "config_hub" / "models" / "llama-3.2-1b"
@@ -203,7 +203,7 @@ def test_tensor_parallel_splits_the_blocks_before_fsdp_shards_them(tiny_dir):
     from litft.build import build_model
     from litft.estimate import memory_plan
     from litft.model import load_config
-    from litft.tensor_parallel import split_over_tensor_parallel
+    from litft.parallel.tensor import split_over_tensor_parallel
 
     plans = {
         tp: memory_plan(

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from litft.build import build_module
 from litft.config import Layout, LoraArgs, TrainArgs
 from litft.lora import peft_config
-from litft.strategies import SingleDevice
-from litft.strategies import fsdp
+from litft.parallel.strategies import SingleDevice
+from litft.parallel.strategies import fsdp
 
 
 def test_bf16_mixed_lora_base_is_bf16_and_steps_like_peft(tiny_dir):

@@ -12,13 +12,13 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from litft.config import ObjectiveArgs
-from litft.context_parallel import slice_batch
+from litft.config import TrainArgs
 from litft.data.base import IGNORE_INDEX, collate
 from litft.data.preference import Preferences, TinyPreferences, preference_records
 from litft.errors import LitftError
 from litft.loss import TargetLogProbs, fuse_target_loss
 from litft.model import CausalLM, target_tokens
-from litft.config import TrainArgs
+from litft.parallel.context import slice_batch
 
 PAIRS = 6
 

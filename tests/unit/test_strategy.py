@@ -7,9 +7,9 @@ import pytest
 
 from litft.config import DeepSpeedArgs, FSDPArgs, Layout, TrainArgs
 from litft.errors import LitftError
-from litft.strategies import checked_strategy_class
-from litft.strategies.deepspeed import deepspeed_config
-from litft.strategies.fsdp import mesh_shape
+from litft.parallel.mesh import fsdp_groups
+from litft.parallel.strategies import checked_strategy_class
+from litft.parallel.strategies.deepspeed import deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = TrainArgs(global_batch_size=32, micro_batch_size=2, max_norm=0.5)
@@ -64,7 +64,7 @@ def test_user_config_that_disagrees_is_refused(tmp_path, content, message):
 def test_fsdp_mesh_is_replicate_by_shard(kind, devices, nodes, shard_size, shape):
     layout = Layout("fsdp", devices, nodes, FSDPArgs(sharding_strategy=kind, shard_size=shard_size), DeepSpeedArgs())
     checked_strategy_class(layout, "cpu", "32-true")
-    assert mesh_shape(layout) == shape
+    assert fsdp_groups(layout) == shape
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -87,7 +87,7 @@ def test_user_zero_config_keeps_its_values_and_fills_auto(tmp_path):
 
 def test_gpu_process_groups_carry_gloo_for_cpu_tensors():
     """Offloaded FSDP gradients are clipped and checked on the CPU: an NCCL-only group has no backend for them."""
-    from litft.strategies import DeepSpeed, FSDP
+    from litft.parallel.strategies import DeepSpeed, FSDP
 
     offload = Layout("fsdp", 8, 1, FSDPArgs(cpu_offload=True), DeepSpeedArgs())
     fsdp = FSDP(offload, "cuda", "bf16-mixed", TRAIN)

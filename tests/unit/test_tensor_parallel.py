@@ -3,7 +3,7 @@
 import pytest
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from litft.tensor_parallel import split_over_tensor_parallel, splitting
+from litft.parallel.tensor import split_over_tensor_parallel, splitting
 
 
 @pytest.mark.parametrize(

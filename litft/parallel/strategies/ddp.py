@@ -7,7 +7,7 @@ from lightning_fabric.strategies import DDPStrategy
 from litft.cluster import process_group_timeout
 from litft.config import Layout, TrainArgs
 from litft.memory import Param, Row, States
-from litft.strategies.base import TrainingStrategy
+from litft.parallel.strategies.base import TrainingStrategy
 
 
 def whole_model_states(tensors: List[Param]) -> States:

@@ -23,9 +23,10 @@ from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
-from litft.strategies.base import Fill, TrainingStrategy
-from litft.expert_parallel import expert_data_mesh, expert_mesh_shape, experts_modules, local_share, split_experts
-from litft.tensor_parallel import clip_by_global_norm, parallelize_block, split_over_tensor_parallel, sum_partial_gradients
+from litft.parallel.expert import expert_data_mesh, experts_modules, local_share, split_experts
+from litft.parallel.mesh import Mesh, fsdp_groups
+from litft.parallel.strategies.base import Fill, TrainingStrategy
+from litft.parallel.tensor import clip_by_global_norm, parallelize_block, split_over_tensor_parallel, sum_partial_gradients
 from litft.weights import transformer_blocks
 
 
@@ -54,17 +55,6 @@ def frozen_dtype_may_differ(init_mp_dtypes: Optional[Callable] = None) -> bool:
         return check is not None and "requires_grad" in inspect.getsource(check)
     except (OSError, TypeError):  # no source shipped: keep every parameter in one dtype
         return False
-
-
-def mesh_shape(layout: Layout) -> Tuple[int, int]:
-    """(replicas, shard group size) of the FSDP2 device mesh, over the ranks a tensor-parallel group counts as one."""
-    kind, world = layout.fsdp.sharding_strategy, layout.world_size // layout.tensor_parallel
-    if kind in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        return 1, world
-    if kind == "NO_SHARD":
-        return world, 1
-    shard = layout.fsdp.shard_size or layout.devices // layout.tensor_parallel
-    return world // shard, shard
 
 
 def shard_units(hf_model) -> List[torch.nn.Module]:
@@ -114,23 +104,21 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         self.mixed = precision.endswith("-mixed")
         self.compute_dtype = compute_dtype(precision)
         self.fill: Fill = lambda part: None
-        self.expert_mesh = None  # experts' own mesh under --expert_parallel (litft.expert_parallel)
+        self.expert_mesh = None  # experts' own mesh under --expert_parallel (litft.parallel.expert)
 
     def setup_environment(self) -> None:
         # Skips ModelParallelStrategy's (data, tensor) mesh; ours is (replicate, shard).
         super(ModelParallelStrategy, self).setup_environment()
         self._setup_distributed()
-        replicas, shard = mesh_shape(self.layout)
-        if self.global_rank == 0 and self.layout.fsdp.sharding_strategy == "HYBRID_SHARD" and replicas == 1 and shard > 1:
-            print(f"HYBRID_SHARD with one shard group of {shard} ranks: sharding as FULL_SHARD", flush=True)
-        # Tensor-parallel ranks are the innermost dimension: consecutive ranks, inside a node.
-        tp = self.layout.tensor_parallel
-        shape, names = ((replicas, shard, tp), ("replicate", "shard", "tensor")) if tp > 1 else ((replicas, shard), ("replicate", "shard"))
+        mesh = Mesh.of(self.layout)
+        if self.global_rank == 0 and self.layout.fsdp.sharding_strategy == "HYBRID_SHARD" and mesh.replicas == 1 and mesh.shard > 1:
+            print(f"HYBRID_SHARD with one shard group of {mesh.shard} ranks: sharding as FULL_SHARD", flush=True)
+        if self.global_rank == 0 and mesh.world > 1:
+            print(mesh.describe(), flush=True)
+        shape, names = mesh.dense()
         self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
-        # Experts have a mesh of their own: the same ranks, each shard group cut into expert groups of consecutive ranks.
-        experts = self.layout.expert_parallel
-        if experts > 1:
-            shape, names = expert_mesh_shape(replicas, shard, experts)
+        if mesh.expert > 1:  # the experts' own mesh over the same ranks (litft.parallel.mesh)
+            shape, names = mesh.experts()
             self.expert_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
 
     def _shard(self, module, mesh):
@@ -190,7 +178,7 @@ class FSDP(TrainingStrategy):
                     f"HYBRID_SHARD needs the {'world size' if tp == 1 else 'data-parallel world'} ({ranks} = {world}) "
                     f"to be a multiple of the shard group size ({shard}); change --fsdp.shard_size or the process count"
                 )
-        experts, shard = layout.expert_parallel, mesh_shape(layout)[1]
+        experts, shard = layout.expert_parallel, fsdp_groups(layout)[1]
         if experts > 1 and shard % experts:
             raise LitftError(
                 f"--expert_parallel {experts} must divide FSDP's shard group ({shard} ranks under {fsdp.sharding_strategy}): an expert group "
@@ -210,7 +198,7 @@ class FSDP(TrainingStrategy):
 
     @classmethod
     def facts(cls, layout: Layout, precision: str) -> dict:
-        return {"strategy": f"FSDP {layout.fsdp.sharding_strategy}", "shard_group": mesh_shape(layout)[1], "zero_stage": None}
+        return {"strategy": f"FSDP {layout.fsdp.sharding_strategy}", "shard_group": fsdp_groups(layout)[1], "zero_stage": None}
 
     def fabric_strategy(self):
         self._fabric_strategy = FSDP2FabricStrategy(self.layout, self.precision, self.backend, offload_pinned=self.accelerator == "cuda")
@@ -267,7 +255,7 @@ class FSDP(TrainingStrategy):
 
     @classmethod
     def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
-        fsdp, shard = layout.fsdp, mesh_shape(layout)[1]
+        fsdp, shard = layout.fsdp, fsdp_groups(layout)[1]
         mixed = precision.endswith("-mixed")
         low = element_size(compute_dtype(precision))
         trained = [t for t in tensors if t.trainable]

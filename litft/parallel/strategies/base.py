@@ -1,6 +1,6 @@
 """What every strategy does for a run, and the parts that one process, DDP and FSDP share.
 
-A strategy is chosen once from the layout (``litft.strategies.strategy_for``). From
+A strategy is chosen once from the layout (``litft.parallel.strategies.strategy_for``). From
 then on the trainer, the checkpointer, ``litft convert`` and ``litft estimate`` ask
 it, never which strategy it is: it checks the layout, makes the Fabric strategy,
 wraps and fills the model, steps the optimizer, counts what a rank holds, saves

@@ -23,9 +23,9 @@ from litft.config import DeepSpeedArgs, Layout, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
-from litft.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes, read_dcp
-from litft.strategies.ddp import whole_model_states
-from litft.strategies.deepspeed_state import RowShards, empty_state, restore_training_state, trained_parameters, training_state, unsharded_entries
+from litft.parallel.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes, read_dcp
+from litft.parallel.strategies.ddp import whole_model_states
+from litft.parallel.strategies.deepspeed_state import RowShards, empty_state, restore_training_state, trained_parameters, training_state, unsharded_entries
 from litft.weights import CheckpointWeights, Materializer
 
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
@@ -227,7 +227,7 @@ class DeepSpeed(TrainingStrategy):
         """
         if self.stage != 3:
             return super().structure(config, dtype)
-        from litft.strategies.zero3_build import build_partitioned
+        from litft.parallel.strategies.zero3_build import build_partitioned
 
         self._dtype = dtype
         return build_partitioned(config, dtype, self.config)
@@ -261,7 +261,7 @@ class DeepSpeed(TrainingStrategy):
     def filler(self, lm, weights: Optional[CheckpointWeights], seed: int) -> Fill:
         if self.stage != 3:
             return super().filler(lm, weights, seed)
-        from litft.strategies.zero3_build import PartitionedFill, QuantizedPartitionedFill
+        from litft.parallel.strategies.zero3_build import PartitionedFill, QuantizedPartitionedFill
 
         materializer = Materializer(lm.model, lm.hf_model, weights, seed)
         if getattr(lm.hf_model, "is_loaded_in_4bit", False):

@@ -35,7 +35,7 @@ _group: Optional[dist.ProcessGroup] = None  # this rank's context group, made on
 class ContextSplit:
     """Where this rank sits: its context group's size, its place in the group and the data-parallel rank it shares.
 
-    ``tensor``: the ranks of a tensor-parallel group (litft.tensor_parallel), which take the same samples whole.
+    ``tensor``: the ranks of a tensor-parallel group (litft.parallel.tensor), which take the same samples whole.
     """
 
     size: int = 1

@@ -27,7 +27,7 @@ the whole expert stack. The adapters stay whole on every rank of an expert group
 are small); each rank reads the rows of its own experts.
 """
 
-from typing import List, Tuple
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -223,17 +223,6 @@ def _low_rank(wrapper, x: torch.Tensor, offsets: torch.Tensor, first: int, count
 
 def experts_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [module for module in model.modules() if is_experts(module)]
-
-
-def expert_mesh_shape(replicas: int, shard: int, size: int) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
-    """The experts' device mesh: FSDP's (replicate, shard) with each shard group cut into expert groups of ``size``.
-
-    Ranks of an expert group are consecutive, inside a node; the ranks holding the same experts are the
-    ``expert_shard`` dimension (and ``replicate`` across HYBRID_SHARD's groups), over which FSDP shards them.
-    """
-    if replicas > 1:
-        return (replicas, shard // size, size), ("replicate", "expert_shard", "expert")
-    return (shard // size, size), ("expert_shard", "expert")
 
 
 def expert_data_mesh(mesh):

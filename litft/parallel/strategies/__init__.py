@@ -4,10 +4,10 @@ from typing import Type
 
 from litft.config import Layout
 from litft.errors import LitftError
-from litft.strategies.base import TrainingStrategy
-from litft.strategies.ddp import DDP, SingleDevice
-from litft.strategies.deepspeed import DeepSpeed
-from litft.strategies.fsdp import FSDP
+from litft.parallel.strategies.base import TrainingStrategy
+from litft.parallel.strategies.ddp import DDP, SingleDevice
+from litft.parallel.strategies.deepspeed import DeepSpeed
+from litft.parallel.strategies.fsdp import FSDP
 
 BY_NAME = {"ddp": DDP, "fsdp": FSDP, "deepspeed": DeepSpeed}
 
