@@ -92,6 +92,8 @@ class ExpertLoad:
 
     def __init__(self, layers: List[torch.nn.Module]):
         self.layers = layers
+        split = getattr(layers[0], SPLIT, None) if layers else None
+        self.groups = split[1] if split is not None else 1  # ranks the experts are dealt out over (expert parallel)
         self.counts: Optional[torch.Tensor] = None  # (layers, experts)
         self.handles = [layer.register_forward_pre_hook(self._counter(i), with_kwargs=True) for i, layer in enumerate(layers)]
 
@@ -125,9 +127,15 @@ class ExpertLoad:
             handle.remove()
 
 
-def load_figures(counts: torch.Tensor) -> Dict[str, float]:
-    """The log's view of the counts (summed over every rank): the worst and the mean layer's imbalance, and idle experts."""
+def load_figures(counts: torch.Tensor, groups: int = 1) -> Dict[str, float]:
+    """The log's view of the counts (summed over every rank): the worst and the mean layer's imbalance, each layer's, idle
+    experts, and under expert parallel the busiest rank of a group's (token, expert) pairs over the mean (the step waits for it)."""
     mean = counts.mean(dim=1).clamp(min=1e-12)
     imbalance = counts.max(dim=1).values / mean
-    return {"expert_imbalance_max": float(imbalance.max()), "expert_imbalance_mean": float(imbalance.mean()),
-            "experts_idle": int((counts == 0).sum())}
+    figures = {"expert_imbalance_max": float(imbalance.max()), "expert_imbalance_mean": float(imbalance.mean()),
+               "experts_idle": int((counts == 0).sum())}
+    figures.update({f"expert_imbalance/layer_{i}": float(value) for i, value in enumerate(imbalance.tolist())})
+    if groups > 1:
+        per_rank = counts.reshape(counts.shape[0], groups, -1).sum(dim=2)
+        figures["expert_rank_imbalance_max"] = float((per_rank.max(dim=1).values / per_rank.mean(dim=1).clamp(min=1e-12)).max())
+    return figures

@@ -209,7 +209,7 @@ class StepMeter:
                 metrics["router_aux_loss"] = self.fabric.all_reduce(router_aux, reduce_op="mean").item()
             counts = expert_load.take() if expert_load is not None else None
             if counts is not None:  # MoE: how evenly the router spread the tokens since the last log step, over every rank
-                metrics.update(load_figures(self.fabric.all_reduce(counts, reduce_op="sum")))
+                metrics.update(load_figures(self.fabric.all_reduce(counts, reduce_op="sum"), expert_load.groups))
             if preference is not None:  # a preference objective's rewards, margin, accuracy and log-probs, per pair of the step
                 metrics.update(figures_of(self.fabric.all_reduce(preference, reduce_op="sum")))
             if grad_norm is not None:

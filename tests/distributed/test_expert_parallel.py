@@ -54,7 +54,7 @@ def assert_matches(name, reference, run, balance=True):
     assert len(got) == len(expected) == 3 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
     logged = lambda run, key: [r[key] for r in read_metrics(run) if "loss" in r]  # noqa: E731
     assert logged(run, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=1e-4)
-    for key in ("expert_imbalance_max", "experts_idle") if balance else ():
+    for key in ("expert_imbalance_max", "experts_idle", "expert_imbalance/layer_1") if balance else ():
         assert logged(run, key) == pytest.approx(logged(reference, key), rel=1e-9) and len(logged(reference, key)) == 3, key
     exported = JOBS[name][2]
     ours, theirs = load_file(run / exported), load_file(reference / exported)
@@ -91,3 +91,5 @@ def test_lora_with_every_rank_holding_one_expert_matches_one_process(single, tmp
     run_cli(job, model, *COMMON, *flags, "--strategy", "fsdp", "--devices", "4", "--expert_parallel", "4", "--train.micro_batch_size", "2",
             "--out_dir", tmp_path, timeout=600)
     assert_matches("lora", reference, tmp_path)
+    busiest = [r["expert_rank_imbalance_max"] for r in read_metrics(tmp_path) if "loss" in r]  # one expert per rank: its load
+    assert busiest == pytest.approx([r["expert_imbalance_max"] for r in read_metrics(tmp_path) if "loss" in r]) and len(busiest) == 3

@@ -73,8 +73,12 @@ def test_expert_load_counts_the_routers_choices_in_training_forwards_only():
 
 def test_load_figures_are_the_busiest_expert_over_the_mean_per_layer():
     counts = torch.tensor([[4.0, 4, 4, 4], [8, 0, 4, 4]])
-    assert load_figures(counts) == {"expert_imbalance_max": 2.0, "expert_imbalance_mean": 1.5, "experts_idle": 1}
+    assert load_figures(counts) == {"expert_imbalance_max": 2.0, "expert_imbalance_mean": 1.5, "experts_idle": 1,
+                                    "expert_imbalance/layer_0": 1.0, "expert_imbalance/layer_1": 2.0}
     assert load_figures(counts * 2) == load_figures(counts)  # a tensor-parallel group counting the same tokens twice
+    # Experts 0-1 on one rank of an expert group, 2-3 on the other: layer 1 sends them 12 and 4 pairs, 1.5 times the mean.
+    assert load_figures(torch.tensor([[4.0, 4, 4, 4], [8, 4, 2, 2]]), groups=2)["expert_rank_imbalance_max"] == 1.5
+    assert "expert_rank_imbalance_max" not in load_figures(counts)
 
 
 def test_lora_on_a_moe_model_is_added_once_and_bad_targets_are_one_line():
