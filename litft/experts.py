@@ -129,7 +129,8 @@ class ExpertLoad:
 
 def load_figures(counts: torch.Tensor, groups: int = 1) -> Dict[str, float]:
     """The log's view of the counts (summed over every rank): the worst and the mean layer's imbalance, each layer's, idle
-    experts, and under expert parallel the busiest rank of a group's (token, expert) pairs over the mean (the step waits for it)."""
+    experts, and under expert parallel the pairs sent to the busiest place of a group over the mean (over the log window and
+    every group: one step of one group can be worse)."""
     mean = counts.mean(dim=1).clamp(min=1e-12)
     imbalance = counts.max(dim=1).values / mean
     figures = {"expert_imbalance_max": float(imbalance.max()), "expert_imbalance_mean": float(imbalance.mean()),

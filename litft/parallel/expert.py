@@ -27,10 +27,11 @@ the whole expert stack. The adapters stay whole on every rank of an expert group
 are small); each rank reads the rows of its own experts.
 """
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from litft.errors import LitftError
@@ -52,6 +53,10 @@ def check_model(config, size: int) -> None:
     if not experts:
         raise LitftError(f"--expert_parallel deals out MoE experts, and {text.model_type} has none litft can split "
                          "(transformers' experts interface); drop --expert_parallel")
+    shared = sorted({name for name, _ in experts[0].named_parameters() if name not in expert_tensors(experts[0])})
+    if shared:
+        raise LitftError(f"--expert_parallel deals out each expert's own tensors, and {text.model_type}'s experts also hold {shared[0]}, "
+                         "shared by all of them, which is not kept in step over an expert group yet; drop --expert_parallel")
     count = expert_count(experts[0])
     if count % size:
         raise LitftError(f"--expert_parallel {size} must divide the model's {count} experts per layer; choose a divisor of {count}")
@@ -180,7 +185,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     else:
         out = _run_experts(self, rows, per_expert, 0, 1.0)
     weighted = out[_inverse(order)] * top_k_weights.reshape(-1, 1)  # the router's weights, on the token's own rank
-    return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return weighted.view(tokens, top_k, hidden_states.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
 
 def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor, first: int, factor: float) -> torch.Tensor:
@@ -197,9 +202,10 @@ def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor, first: int, fac
         out = _grouped_linear(x, weight, offsets, bias=None if bias is None else _local(bias, factor)[row_experts],
                               is_transposed=self.is_transposed)
         wrapper = adapters.get(name)
-        if wrapper is not None and not wrapper.disable_adapters and not wrapper.merged:
-            out = out + _low_rank(wrapper, x, offsets, first, counts.numel()).to(out.dtype)
-        return out
+        if wrapper is not None and wrapper.disable_adapters and wrapper.merged:
+            wrapper.unmerge()  # as peft's forward does: adapters off means the base alone
+        low = None if wrapper is None or wrapper.disable_adapters or wrapper.merged else _low_rank(wrapper, x, offsets, first, counts.numel())
+        return out if low is None else out + low.to(out.dtype)
 
     up = project("gate_up_proj" if self.has_gate else "up_proj", rows.to(_local(getattr(self, "down_proj"), 1.0).dtype))
     hidden = self._apply_gate(up) if self.has_gate else self.act_fn(up)
@@ -207,18 +213,27 @@ def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor, first: int, fac
     return self.post_expert_norm(out) if getattr(self, "has_post_expert_norm", False) else out
 
 
-def _low_rank(wrapper, x: torch.Tensor, offsets: torch.Tensor, first: int, count: int) -> torch.Tensor:
-    """``scaling * (x @ A_e^T) @ B_e^T`` for experts ``first .. first+count-1``, as two grouped matmuls (peft's adapter layout)."""
+def _low_rank(wrapper, x: torch.Tensor, offsets: torch.Tensor, first: int, count: int) -> Optional[torch.Tensor]:
+    """``scaling * (x @ A_e^T) @ B_e^T`` for experts ``first .. first+count-1`` and each active adapter, as grouped matmuls.
+
+    peft's layout: A is (experts * r, in), expert-major; B is (out, r * experts), expert-minor. torch's grouped matmul
+    takes strides of 16 bytes only, so the rank is padded with zeros to a multiple of 16 bytes (adapter-sized copies).
+    """
     from transformers.integrations.moe import _grouped_linear
 
-    (name,) = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
-    total = wrapper.num_experts
-    a = wrapper.lora_A[name].weight  # (experts * r, in), expert-major
-    b = wrapper.lora_B[name].weight  # (out, r * experts), expert-minor
-    a = a.reshape(total, -1, a.shape[-1])[first:first + count]  # (count, r, in)
-    b = b.reshape(b.shape[0], -1, total).permute(2, 0, 1)[first:first + count].contiguous()  # (count, out, r): adapter-sized
-    low = _grouped_linear(x.to(a.dtype), a, offsets)
-    return _grouped_linear(low, b, offsets) * wrapper.scaling[name]
+    total, summed = wrapper.num_experts, None
+    for name in [name for name in wrapper.active_adapters if name in wrapper.lora_A]:
+        a, b = wrapper.lora_A[name].weight, wrapper.lora_B[name].weight
+        a = a.reshape(total, -1, a.shape[-1])[first:first + count]  # (count, r, in)
+        b = b.reshape(b.shape[0], -1, total).permute(2, 1, 0)[first:first + count]  # (count, r, out)
+        rank, align = a.shape[1], max(1, 16 // a.element_size())
+        if rank % align:
+            pad = align - rank % align
+            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, 0, 0, pad))
+        low = _grouped_linear(x.to(a.dtype), a, offsets)
+        out = _grouped_linear(low, b.contiguous(), offsets, is_transposed=True) * wrapper.scaling[name]
+        summed = out if summed is None else summed + out
+    return summed
 
 
 def experts_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
