@@ -48,12 +48,13 @@ class Case:
     tensor_parallel: int = 1  # ranks that split each block (FSDP only)
     objective: str = "sft"  # a preference objective (dpo, ipo, simpo, orpo) trains on TinyPreferences
     expert_parallel: int = 1  # ranks that deal the experts out (FSDP only; trains litft-tiny-moe)
+    moe: bool = False  # trains litft-tiny-moe (as expert parallel always does)
 
     @property
     def name(self) -> str:
         split = f" cp{self.context_parallel}" if self.context_parallel > 1 else ""
         split += f" tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
-        split += f" ep{self.expert_parallel}" if self.expert_parallel > 1 else ""
+        split += f" ep{self.expert_parallel}" if self.expert_parallel > 1 else (" moe" if self.moe else "")
         split += f" {self.objective}" if self.objective != "sft" else ""
         return f"{self.job} {self.strategy}{split} {self.precision}"
 
@@ -101,7 +102,7 @@ class Case:
             flags.update(strategy="deepspeed", deepspeed=DeepSpeedArgs(stage=deepspeed_stage(self.strategy)))
         if self.job == "finetune_qlora":
             flags["quantize"] = "bnb.nf4"
-        if self.expert_parallel > 1:
+        if self.expert_parallel > 1 or self.moe:
             from litft.tiny import TINY_MOE_NAME
 
             flags["model"] = TINY_MOE_NAME

@@ -36,7 +36,8 @@ def test_context_tensor_expert_parallel_and_preference_under_each_sharding_and_b
     """A context group of both ranks, through the kernel's branch: each job with each sharding, each sharding with each bf16
     precision; a tensor-parallel group of both ranks under FSDP, full and LoRA, in each bf16 precision (the exact matches
     with one process are tests/distributed/test_sharding.py's, in fp32); an expert group of both ranks (litft-tiny-moe),
-    full, LoRA and QLoRA, in each bf16 precision (exact in fp32: tests/distributed/test_expert_parallel.py); preference
+    full, LoRA and QLoRA, in each bf16 precision (exact in fp32: tests/distributed/test_expert_parallel.py), and LoRA on its
+    experts under ZeRO-3 (the adapters read from partitioned modules whose forward never runs); preference
     objectives under each."""
     cases = [
         Case(job, strategy, precision, context_parallel=2)
@@ -46,7 +47,7 @@ def test_context_tensor_expert_parallel_and_preference_under_each_sharding_and_b
         )
     ] + [Case("finetune_full", "fsdp", "bf16-mixed", tensor_parallel=2), Case("finetune_lora", "fsdp", "bf16-true", tensor_parallel=2)]
     cases += [Case("finetune_full", "fsdp", "bf16-true", expert_parallel=2), Case("finetune_lora", "fsdp", "bf16-mixed", expert_parallel=2),
-              Case("finetune_qlora", "fsdp", "bf16-true", expert_parallel=2)]
+              Case("finetune_qlora", "fsdp", "bf16-true", expert_parallel=2), Case("finetune_lora", "zero3", "bf16-mixed", moe=True)]
     # Preference objectives in the bf16 precisions, on the processes already started (their exact matches are in fp32:
     # tests/distributed/test_preference.py): the adapter-off reference, the precomputed one, and a reference-free objective.
     cases += [
