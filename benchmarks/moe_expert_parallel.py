@@ -22,7 +22,6 @@ with ``--layers`` of its 48 layers, so that it fits one node.
 """
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -73,17 +72,12 @@ def run(args, model: Path, work: Path, expert_parallel: int) -> dict:
     done = subprocess.run([sys.executable, "-m", "litft", *flags], cwd=work, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"EP {expert_parallel} exited {done.returncode}: {done.stderr[-3000:]}")
-    with open(out / "logs" / "csv" / "metrics.csv") as f:
-        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("tokens_per_s")]
-    tokens = [b["tokens"] - a for a, b in zip([0.0] + [r["tokens"] for r in rows], rows)]
-    steady = [(t, t / r["tokens_per_s"], r.get("mfu")) for t, r in zip(tokens, rows) if r["step"] > args.skip]
-    seconds = sum(s for _, s, _ in steady)
+    from vs_hf_trainer import steady_rates
+
+    rows, rates = steady_rates(out, args.skip)
     per_rank = [max(r.get(f"peak_memory_gb/rank_{rank}", 0.0) for r in rows) for rank in range(args.devices)]
-    mfu = [m for *_, m in steady if m is not None]
     return {
-        "expert_parallel": expert_parallel, "tokens_per_s": sum(t for t, _, _ in steady) / seconds,
-        "tokens_per_s_per_rank": sum(t for t, _, _ in steady) / seconds / args.devices,
-        "mfu": sum(m * s for (_, s, m) in steady) / seconds if mfu and len(mfu) == len(steady) else None,
+        "expert_parallel": expert_parallel, **rates, "tokens_per_s_per_rank": rates["tokens_per_s"] / args.devices,
         "peak_gb_per_rank": [round(gb, 3) for gb in per_rank], "peak_gb_max": max(per_rank), "wall_s": time.perf_counter() - started,
         "losses": [round(r["loss"], 4) for r in rows],
     }

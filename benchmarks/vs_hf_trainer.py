@@ -198,16 +198,22 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
     code, _, _, stderr = run_measured([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], work, env)
     if code != 0:
         raise SystemExit(f"litft {change} exited {code}: {stderr[-2000:]}")
+    rows, rates = steady_rates(out, args.skip)
+    # The process's peak as of its last step: loading included, the end-of-run export (the Trainer side saves nothing) left out.
+    return {**rates, "peak_gb": max(r["peak_memory_gb"] for r in rows), "steps": len(rows)}
+
+
+def steady_rates(out: Path, skip: int):
+    """A litft run's logged steps (metrics.csv rows), and its tokens/s and MFU over the steps after the first ``skip``."""
     with open(out / "logs" / "csv" / "metrics.csv") as f:
         rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("tokens_per_s")]
     # Each step is its own log window: its tokens (the cumulative count's step) over its tokens/s are its seconds.
     tokens = [b["tokens"] - a for a, b in zip([0.0] + [r["tokens"] for r in rows], rows)]
-    steady = [(t, t / r["tokens_per_s"], r.get("mfu")) for t, r in zip(tokens, rows) if r["step"] > args.skip]
+    steady = [(t, t / r["tokens_per_s"], r.get("mfu")) for t, r in zip(tokens, rows) if r["step"] > skip]
     seconds = sum(s for _, s, _ in steady)
     mfu = [m for *_, m in steady if m is not None]
-    return {
-        # The process's peak as of its last step: loading included, the end-of-run export (the Trainer side saves nothing) left out.
-        "tokens_per_s": sum(t for t, _, _ in steady) / seconds, "peak_gb": max(r["peak_memory_gb"] for r in rows), "steps": len(rows),
+    return rows, {
+        "tokens_per_s": sum(t for t, _, _ in steady) / seconds,
         "mfu": sum(m * s for (_, s, m) in steady) / seconds if len(mfu) == len(steady) and mfu else None,  # time-weighted, as tokens/s
     }
 
