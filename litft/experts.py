@@ -61,14 +61,14 @@ def describe(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> Op
     if not has_experts_interface(model):
         return None
     chosen = model.config._experts_implementation
-    first = next(module for module in model.modules() if is_experts(module))
+    first = experts_modules(model)[0]
     split, adapters = getattr(first, SPLIT, None), getattr(first, ADAPTERS, None)
     if split is None and adapters is None:
         how = f" with {grouped_kernel(device_type, dtype)}" if chosen == "grouped_mm" else ""
         return f"experts: {chosen}{how}"
     line = f"experts: litft's grouped dispatch with {grouped_kernel(device_type, dtype)}"
     if split is not None:
-        count = next(getattr(first, name) for name in ("gate_up_proj", "up_proj", "down_proj") if hasattr(first, name)).shape[0]
+        count = expert_count(first)
         line += f", dealt out over {split[1]} ranks ({count // split[1]} of {count} per rank, tokens sent by all-to-all)"
     if adapters is not None:
         line += ", LoRA as grouped low-rank matmuls (no weight delta per expert)"
@@ -78,6 +78,18 @@ def describe(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> Op
 def is_experts(module: torch.nn.Module) -> bool:
     """An experts module of transformers' experts interface (its forward takes the tokens and each token's top-k experts)."""
     return hasattr(module, "has_gate") and hasattr(module, "is_concatenated")
+
+
+def experts_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    return [module for module in model.modules() if is_experts(module)]
+
+
+PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # an experts module's 3-D tensors, (experts, ...) first
+
+
+def expert_count(module: torch.nn.Module) -> int:
+    """Experts in an experts module (a DTensor's whole shape, where they are dealt out)."""
+    return next(getattr(module, name) for name in PROJECTIONS if hasattr(module, name)).shape[0]
 
 
 class ExpertLoad:
@@ -99,7 +111,7 @@ class ExpertLoad:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Optional["ExpertLoad"]:
-        layers = [module for module in model.modules() if is_experts(module)]
+        layers = experts_modules(model)
         return cls(layers) if layers else None
 
     def _counter(self, position: int):

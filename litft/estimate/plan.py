@@ -15,7 +15,7 @@ from litft.logs import quiet_libraries
 from litft.memory import GiB, Row
 from litft.model import check_architecture, load_config, resolve_model
 from litft.parallel.context import check_heads
-from litft.parallel.expert import check_model as check_experts, local_share
+from litft.parallel.expert import check_model as check_experts, is_expert_tensor
 from litft.parallel.strategies import checked_strategy_class
 from litft.parallel.tensor import check_model, one_rank_of
 
@@ -90,7 +90,7 @@ def experts_facts(config, tensors, size: int, tokens: int, itemsize: int, seq_le
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     top_k = int(getattr(text, "num_experts_per_tok", None) or getattr(text, "num_experts_per_token", 1))
     every = sum(t.numel for t in tensors)
-    experts = sum(t.numel for t in tensors if local_share(t.name, 2) < 1)  # the tensors dealt out by expert
+    experts = sum(t.numel for t in tensors if is_expert_tensor(t.name))
     return {
         "per_layer": shape.router, "per_rank": shape.router // size, "top_k": top_k,
         # Sent and received: every (token, expert) row of the layer leaves and arrives (balanced routing), then returns.

@@ -32,12 +32,11 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from litft.errors import LitftError
-from litft.experts import ADAPTERS, SPLIT, is_experts
+from litft.experts import ADAPTERS, PROJECTIONS, SPLIT, expert_count, experts_modules, is_experts
 
-PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")  # 3-D expert tensors, (experts, ...) first
 BIASES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
 
@@ -47,8 +46,7 @@ def check_model(config, size: int) -> None:
         return
     from litft.weights import skeleton
 
-    model = skeleton(config, torch.float32)
-    experts = [module for module in model.modules() if is_experts(module)]
+    experts = experts_modules(skeleton(config, torch.float32))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not experts:
         raise LitftError(f"--expert_parallel deals out MoE experts, and {text.model_type} has none litft can split "
@@ -62,10 +60,6 @@ def check_model(config, size: int) -> None:
         raise LitftError(f"--expert_parallel {size} must divide the model's {count} experts per layer; choose a divisor of {count}")
 
 
-def expert_count(module: torch.nn.Module) -> int:
-    return next(getattr(module, name) for name in PROJECTIONS if hasattr(module, name)).shape[0]
-
-
 def expert_tensors(module: torch.nn.Module) -> List[str]:
     """The experts module's own tensors that are dealt out by expert: its 3-D projections and their biases."""
     return [name for name in PROJECTIONS + BIASES if isinstance(getattr(module, name, None), torch.nn.Parameter)]
@@ -73,8 +67,6 @@ def expert_tensors(module: torch.nn.Module) -> List[str]:
 
 def split_experts(module: torch.nn.Module, mesh) -> None:
     """Keep this rank's experts of ``module`` (already filled, whole) as DTensor shards on ``mesh`` (1-D, the expert group)."""
-    from torch.distributed.tensor import Shard
-
     size, place = mesh.size(), mesh.get_local_rank()
     for name in expert_tensors(module):
         whole = getattr(module, name)
@@ -175,9 +167,9 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     if size > 1:
         arriving = torch.empty_like(per_expert)  # arriving[i * mine + e]: pairs rank i sends to this rank's expert e
         dist.all_to_all_single(arriving, per_expert, group=group)
-        send, receive = per_expert.view(size, mine).sum(1).tolist(), arriving.view(size, mine).sum(1).tolist()
-        rows = _AllToAll.apply(rows, send, receive, group)
         by_source = arriving.view(size, mine)
+        send, receive = per_expert.view(size, mine).sum(1).tolist(), by_source.sum(1).tolist()
+        rows = _AllToAll.apply(rows, send, receive, group)
         local_ids = torch.repeat_interleave(torch.arange(mine, device=rows.device).repeat(size), arriving)
         regroup = torch.argsort(local_ids, stable=True)  # arrived by source rank, each sorted by expert: now by expert
         out = _run_experts(self, rows[regroup], by_source.sum(0), place * mine, 1.0 / size)
@@ -207,7 +199,7 @@ def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor, first: int, fac
         low = None if wrapper is None or wrapper.disable_adapters or wrapper.merged else _low_rank(wrapper, x, offsets, first, counts.numel())
         return out if low is None else out + low.to(out.dtype)
 
-    up = project("gate_up_proj" if self.has_gate else "up_proj", rows.to(_local(getattr(self, "down_proj"), 1.0).dtype))
+    up = project("gate_up_proj" if self.has_gate else "up_proj", rows.to(self.down_proj.dtype))
     hidden = self._apply_gate(up) if self.has_gate else self.act_fn(up)
     out = project("down_proj", hidden)
     return self.post_expert_norm(out) if getattr(self, "has_post_expert_norm", False) else out
@@ -236,18 +228,18 @@ def _low_rank(wrapper, x: torch.Tensor, offsets: torch.Tensor, first: int, count
     return summed
 
 
-def experts_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
-    return [module for module in model.modules() if is_experts(module)]
-
-
 def expert_data_mesh(mesh):
     """The part of the experts' mesh that FSDP shards (or replicates) experts over: every dimension but ``expert``."""
     names = mesh.mesh_dim_names
     return mesh["replicate", "expert_shard"] if "replicate" in names else mesh["expert_shard"]
 
 
+def is_expert_tensor(name: str) -> bool:
+    """Whether a tensor (by its name in the model) is one of an experts module's own, dealt out by expert."""
+    return ".experts." in f".{name}" and name.rsplit(".", 1)[-1] in PROJECTIONS + BIASES
+
+
 def local_share(name: str, size: int) -> float:
     """The share of a tensor (by its name in the model) that a rank of an expert group holds."""
-    leaf = name.rsplit(".", 1)[-1]
-    return 1.0 / size if size > 1 and ".experts." in f".{name}" and leaf in PROJECTIONS + BIASES else 1.0
+    return 1.0 / size if size > 1 and is_expert_tensor(name) else 1.0
 

@@ -40,11 +40,6 @@ class Mesh:
     def world(self) -> int:
         return self.replicas * self.shard * self.tensor
 
-    @property
-    def data_world(self) -> int:
-        """Ranks that take different samples."""
-        return self.world // (self.context * self.tensor)
-
     def dense(self) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
         """FSDP's mesh, (replicate, shard) or (replicate, shard, tensor): shape and dimension names."""
         if self.tensor > 1:

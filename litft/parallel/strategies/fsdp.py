@@ -23,7 +23,8 @@ from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
-from litft.parallel.expert import expert_data_mesh, experts_modules, local_share, split_experts
+from litft.experts import experts_modules
+from litft.parallel.expert import expert_data_mesh, local_share, split_experts
 from litft.parallel.mesh import Mesh, fsdp_groups
 from litft.parallel.strategies.base import Fill, TrainingStrategy
 from litft.parallel.tensor import clip_by_global_norm, parallelize_block, split_over_tensor_parallel, sum_partial_gradients
@@ -138,16 +139,15 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         # they stay whole on every rank, everything else (adapters, norms, embeddings) is sharded.
         options["ignored_params"] = {p for p in module.parameters() if type(p).__name__ == "Params4bit"} or None
         blocks = set(map(id, transformer_blocks(module.hf_model)))
+        # Each rank keeps its group's share of the experts, sharded by FSDP over the ranks that hold the same ones.
+        expert_options = {**options, "mesh": expert_data_mesh(self.expert_mesh)} if self.expert_mesh is not None else None
         for unit in shard_units(module.hf_model):
             self.fill(unit)  # one full unit at a time, sharded right away
             if tensor and id(unit) in blocks:
                 parallelize_block(unit, mesh["tensor"], module.hf_model.config)
-            if self.expert_mesh is not None:
-                # Each rank keeps its group's share of the experts, sharded by FSDP over the ranks that hold the same ones.
-                expert_data = expert_data_mesh(self.expert_mesh)
-                for experts in experts_modules(unit):
-                    split_experts(experts, self.expert_mesh["expert"])
-                    fully_shard(experts, **{**options, "mesh": expert_data})
+            for experts in experts_modules(unit) if expert_options is not None else ():
+                split_experts(experts, self.expert_mesh["expert"])
+                fully_shard(experts, **expert_options)
             fully_shard(unit, **options)
         self.fill(module)
         fully_shard(module.hf_model, **options)
