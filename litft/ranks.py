@@ -49,11 +49,25 @@ class _Board:
     def post(self, key: str, error: Optional[BaseException]) -> None:
         self.store.set(key, "" if error is None else "\x00" + _describe(error))
 
-    def wait(self, keys: List[str], poll: float = 0.2) -> List[str]:
-        """The messages under ``keys`` once all are posted (empty for success)."""
+    def wait(self, keys: List[str], poll: float = 0.2, deadline: Optional[float] = None) -> Optional[List[str]]:
+        """The messages under ``keys`` once all are posted (empty for success); None if ``deadline`` seconds pass first."""
+        started = time.monotonic()
         while not self.store.check(keys):
+            if deadline is not None and time.monotonic() - started > deadline:
+                return None
             time.sleep(poll)
         return [v.decode()[1:] if v else "" for v in self.store.multi_get(keys)]
+
+    def read_rank_zero(self, rank: int) -> List[str]:
+        """Rank 0's result, and a note that this rank has read it."""
+        messages = self.wait(["rank0"])
+        self.post(f"read{rank}", None)
+        return messages
+
+    def held_until_read(self, world_size: int) -> None:
+        """Rank 0 holds the store: after a failure it stays until every rank has read its message (a minute at most),
+        so that none finds the store gone instead of the message."""
+        self.wait([f"read{r}" for r in range(1, world_size)], deadline=60)
 
 
 def _run(fn: Callable):
@@ -78,9 +92,10 @@ def rank_zero_first(fabric, fn: Callable, stage: str):
         result, error = _run(fn)
         board.post("rank0", error)
         if error is not None:
+            board.held_until_read(fabric.world_size)
             raise error
     else:
-        [message] = board.wait(["rank0"])
+        [message] = board.read_rank_zero(rank)
         if message:
             raise LitftError(message)
         if not first_of_node:  # the node's first rank fills the node's caches first
@@ -106,9 +121,10 @@ def on_rank_zero(fabric, fn: Callable, stage: str):
     if fabric.global_rank == 0:
         board.post("rank0", error)
         if error is not None:
+            board.held_until_read(fabric.world_size)
             raise error
         return result
-    [message] = board.wait(["rank0"])
+    [message] = board.read_rank_zero(fabric.global_rank)
     if message:
         raise LitftError(f"rank 0 failed while {stage}: {message}")
     return result
