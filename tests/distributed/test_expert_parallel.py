@@ -9,7 +9,6 @@ The bf16 precisions of expert parallel run in tests/distributed/test_precision_m
 """
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from litft.selfcheck import free_port
 from tests.architectures import ARCHITECTURES, save_tiny
 from tests.conftest import ROOT, read_metrics, run_cli, step_losses
 
@@ -69,9 +69,7 @@ def test_expert_groups_of_two_over_two_launches_with_context_parallel_match_one_
     model, reference = single("full")
     args = [sys.executable, "-m", "litft", "finetune_full", model, *COMMON, "--strategy", "fsdp", "--devices", "2", "--num_nodes", "2",
             "--expert_parallel", "2", "--context_parallel", "2", "--train.micro_batch_size", "2", "--out_dir", tmp_path / "ep2"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())  # below the ephemeral range, which the gloo connections of earlier runs take ports from
     nodes = [subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(rank))) for rank in (1, 0)]
     logs = [node.communicate(timeout=400)[0] for node in nodes]
