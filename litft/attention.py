@@ -17,7 +17,7 @@ import inspect
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -130,14 +130,19 @@ def use_varlen_kernel(kernel: Optional[VarlenKernel]) -> Optional[VarlenKernel]:
 
 
 class AttentionRecord:
-    """What attention actually ran in this process: path and dtypes, once per kind (read by litft env --check and the tests)."""
+    """What attention actually ran in this process: path and dtypes, once per kind (read by litft env --check and the tests).
+
+    A set, added to only when a kind is new: torch.compile guards on what a traced function reads, so a counter
+    bumped on every call would fail its guard on every call and recompile each block until dynamo gives up.
+    """
 
     def __init__(self):
-        self.seen: Dict[tuple, int] = {}
+        self.seen: set = set()
 
     def note(self, path: str, received: torch.dtype, computed: torch.dtype) -> None:
         key = (path, str(received).removeprefix("torch."), str(computed).removeprefix("torch."))
-        self.seen[key] = self.seen.get(key, 0) + 1
+        if key not in self.seen:
+            self.seen.add(key)
 
     def clear(self) -> None:
         self.seen.clear()

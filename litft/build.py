@@ -14,9 +14,11 @@ import torch
 
 from transformers.quantizers import AutoHfQuantizer
 
+from litft.compiling import compile_blocks
 from litft.config import LoraArgs, ObjectiveArgs, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.experts import use_grouped_experts
+from litft.fp8 import convert as convert_to_fp8
 from litft.lora import apply_lora, quantization_config, quiet_peft
 from litft.loss import fuse_target_loss
 from litft.model import CausalLM, keep_4bit_training_layout, load_causal_lm, load_config
@@ -30,7 +32,7 @@ from litft.weights import (
 def build_model(
     config, precision: str, lora: Optional[LoraArgs], gradient_checkpointing: bool, *, source: Optional[str] = None, device=None,
     attention: Optional[str] = None, structure: Callable = skeleton, liger: bool = False, dtype: Optional[torch.dtype] = None,
-    frozen_dtype: Optional[torch.dtype] = None,
+    frozen_dtype: Optional[torch.dtype] = None, fp8: Optional[str] = None, fp8_all_gather: bool = False,
 ):
     """The job's model: its structure (on the meta device, or as the strategy builds it), LoRA applied.
 
@@ -39,7 +41,9 @@ def build_model(
     strategy that fills 4-bit layers itself) its layers are replaced as
     transformers replaces them while loading, on the meta device. ``frozen_dtype``
     is a LoRA base's dtype where it differs from the trained weights' ``dtype``
-    (the strategy's ``frozen_base_dtype``: bf16 under bf16-mixed).
+    (the strategy's ``frozen_base_dtype``: bf16 under bf16-mixed). ``fp8``: torchao's
+    recipe for the Linear layers that convert (litft.fp8), after LoRA so that only
+    the frozen base's layers do; their names are kept as ``model.fp8_layers``.
     """
     quantize = lora.quantize if lora is not None else None
     quantization = quantization_config(quantize, compute_dtype(precision))
@@ -68,7 +72,10 @@ def build_model(
             for param in model.parameters():
                 if param.requires_grad and param.dtype != dtype:
                     param.data = param.data.to(dtype)  # the adapters: fp32 masters under autocast whatever the base
-    fuse_target_loss(model.get_base_model() if lora is not None else model)
+    base = model.get_base_model() if lora is not None else model
+    if fp8 is not None:
+        model.fp8_layers = convert_to_fp8(base, fp8, fp8_all_gather)
+    fuse_target_loss(base)
     return model
 
 
@@ -93,6 +100,7 @@ def use_liger_kernels(model) -> None:
 def build_module(
     source: str, precision: str, lora: Optional[LoraArgs], train: TrainArgs, total_steps: int, *, random_init: bool, seed: int, device,
     strategy: TrainingStrategy, attention: Optional[str] = None, compile: bool = False, liger: bool = False, objective: Optional[ObjectiveArgs] = None,
+    fp8: Optional[str] = None,
 ) -> Tuple[CausalLM, Fill, bool]:
     """The CausalLM module, the fill that gives its tensors their first values, and whether it is already on ``device``.
 
@@ -105,13 +113,13 @@ def build_module(
     model = build_model(
         load_config(source), precision, lora, train.gradient_checkpointing, source=source if loads_4bit else None, device=device,
         attention=attention, structure=skeleton if quantized else strategy.structure, liger=liger, dtype=strategy.model_dtype,
-        frozen_dtype=strategy.frozen_base_dtype(precision),
+        frozen_dtype=strategy.frozen_base_dtype(precision), fp8=fp8, fp8_all_gather=fp8 == "tensorwise" and strategy.gathers_fp8,
     )
     lm = CausalLM(model, train, total_steps=total_steps, objective=objective)
+    lm.fp8_all_gather = fp8 == "tensorwise" and strategy.gathers_fp8
     if compile:
         # Each block on its own, before any strategy wraps or shards it; compiled lazily, at its first call.
-        for block in transformer_blocks(lm.hf_model):
-            block.compile()
+        lm.compiled_kinds = compile_blocks(transformer_blocks(lm.hf_model))
     if loads_4bit:
         return lm, AdapterInit(Materializer(lm.model, lm.hf_model, None, seed)), True
     weights = None if random_init else CheckpointWeights(checkpoint_in_model_layout(locate_checkpoint(source), lm.hf_model.config))

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-from torch._dynamo.utils import calculate_time_spent
 from tqdm import tqdm
 
 from litft.config import EvalArgs, TrainArgs
@@ -183,7 +182,7 @@ class Progress:
 class StepMeter:
     """What every step logs (loss, lr, grad norm), what log steps add (rates, MFU, memory), and state bytes once."""
 
-    def __init__(self, fabric, strategy, train: TrainArgs, flops, total_steps: int, start_step: int, compiled: bool = False):
+    def __init__(self, fabric, strategy, train: TrainArgs, flops, total_steps: int, start_step: int, compiled=None):
         self.fabric, self.strategy, self.train, self.flops, self.compiled = fabric, strategy, train, flops, compiled
         self.total_steps, self.start_step = total_steps, start_step
         self.window = Throughput()
@@ -214,11 +213,12 @@ class StepMeter:
                 metrics.update(figures_of(self.fabric.all_reduce(preference, reduce_op="sum")))
             if grad_norm is not None:
                 metrics["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            compiled = calculate_time_spent().get("total_wall_time", 0.0) if self.compiled else 0.0
-            metrics.update(self.window.rates(self.fabric.world_size, self.flops.peak if self.flops else None, compiled - self.compile_s))
+            compiling = self.compiled.read() if self.compiled is not None else {"compile_s": 0.0}
+            metrics.update(self.window.rates(self.fabric.world_size, self.flops.peak if self.flops else None, compiling["compile_s"] - self.compile_s))
             metrics.update(peak_memory_by_rank(self.fabric))
-            if self.compiled:  # torch.compile's time so far, kept out of the rates
-                metrics["compile_s"], self.compile_s = compiled, compiled
+            if self.compiled is not None:  # torch.compile's time and frames so far; the time is kept out of the rates
+                metrics.update(compiling)
+                self.compile_s = compiling["compile_s"]
             self.fabric.log_dict(metrics, step=state.step)
             self.progress.update(state.step, metrics)
             self.window = Throughput()

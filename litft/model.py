@@ -172,6 +172,7 @@ class CausalLM(torch.nn.Module):
         self.train_args = train
         self.total_steps = total_steps
         self.objective = objective or ObjectiveArgs()
+        self.compiled_kinds = 0  # kinds of block compiled (litft.compiling), the first compile of each not a recompile
         self.router_aux: list = []  # this step's router load-balancing losses (MoE), read and cleared by the loop
         self.preference_figures: list = []  # each micro-batch's summed preference figures (litft.preference.STATS), on the device
 

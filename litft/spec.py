@@ -7,7 +7,7 @@ starts; every layer above reads it, none below it.
 import shutil
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 
@@ -34,7 +34,8 @@ class RunSpec:
     eval: EvalArgs
     seed: int = 42
     attn_implementation: str = "auto"
-    compile: bool = False
+    compile: Union[bool, str] = "auto"  # --compile as given; the trainer decides what it means here (litft.compiling.choose)
+    fp8: Optional[str] = None  # torchao's float8 recipe, or None for the precision's own matmuls
     kernels: str = "auto"
     lora: Optional[LoraArgs] = None
     objective: ObjectiveArgs = field(default_factory=ObjectiveArgs)
@@ -62,7 +63,7 @@ class RunSpec:
         layout = Layout.of(flags)
         common = dict(
             job=job, model=flags["model"], data=flags["data"], out_dir=Path(flags["out_dir"]), precision=flags["precision"],
-            accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], compile=flags["compile"], kernels=flags["kernels"],
+            accelerator=flags["accelerator"], attn_implementation=flags["attn_implementation"], compile=flags["compile"], fp8=flags["fp8"], kernels=flags["kernels"],
             layout=layout, train=flags["train"], eval=flags["eval"], seed=flags["seed"],
             lora=lora, objective=objective, overwrite=flags["overwrite"], resume=flags["resume"], profile=flags["profile"], launcher=flags["launcher"],
             loggers=(flags["logger_name"],) if isinstance(flags["logger_name"], str) else tuple(flags["logger_name"]),

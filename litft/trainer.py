@@ -25,6 +25,8 @@ from litft.build import build_module
 from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
 from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.checkpoint.format import RUN_CONFIG
+from litft.compiling import CompileChoice, CompileStats
+from litft.compiling import choose as choose_compile
 from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, launcher, leave_process_group, preflight, restarted
 from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
 from litft.data.stream import StreamSource
@@ -33,6 +35,8 @@ from litft.errors import LitftError
 from litft.experts import ExpertLoad
 from litft.experts import describe as describe_experts
 from litft.flops import StepFlops
+from litft.fp8 import check as check_fp8
+from litft.fp8 import describe as describe_fp8
 from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
@@ -66,8 +70,9 @@ def plan_steps(train, num_samples: int, mean_tokens: float) -> int:
 class Trainer:
     """Owns a run's fabric, strategy, module, optimizer, scheduler, data, checkpointer and meter."""
 
-    def __init__(self, spec: RunSpec, fabric, strategy, precision: str, attention: str):
+    def __init__(self, spec: RunSpec, fabric, strategy, precision: str, attention: str, compiling: CompileChoice = CompileChoice(False, "")):
         self.spec, self.fabric, self.strategy, self.precision, self.attention = spec, fabric, strategy, precision, attention
+        self.compiling = compiling
         self.state = LoopState()
         self.context = Mesh.of(spec.layout).context_split(fabric.global_rank)
         self.stops = StopRequests()
@@ -91,20 +96,17 @@ class Trainer:
         precision = resolve_precision(spec.precision, accelerator)
         chosen = checked_strategy_class(layout, accelerator, precision)
         attention = choose_attention(spec.attn_implementation, accelerator, precision, layout.context_parallel)
-        if spec.compile and not chosen.compiles:
-            raise LitftError(f"--compile true is not supported under {chosen.name}; drop --compile or use --strategy fsdp or ddp")
+        compiling = choose_compile(spec.compile, accelerator, chosen.compiles, chosen.name, quantize=spec.lora.quantize if spec.lora else None,
+                                   context_parallel=layout.context_parallel, tensor_parallel=layout.tensor_parallel,
+                                   expert_parallel=layout.expert_parallel)
+        check_fp8(spec.fp8, accelerator, precision, quantize=spec.lora.quantize if spec.lora else None, strategy_name=chosen.name,
+                  tensor_parallel=layout.tensor_parallel)
         check_architecture(load_config(resolve_model(spec.model)))  # before any process starts
         if layout.context_parallel > 1:
-            if spec.compile:
-                raise LitftError("--compile true is not yet supported with --context_parallel (its all-to-all inside each block is untested); drop one of them")
             check_heads(load_config(resolve_model(spec.model)), layout.context_parallel)  # before any process starts
         if layout.expert_parallel > 1:
-            if spec.compile:
-                raise LitftError("--compile true is not yet supported with --expert_parallel (its all-to-all inside each MoE layer is untested); drop one of them")
             check_experts(load_config(resolve_model(spec.model)), layout.expert_parallel)
         if layout.tensor_parallel > 1:
-            if spec.compile:
-                raise LitftError("--compile true is not yet supported with --tensor_parallel (untested); drop one of them")
             check_model(load_config(resolve_model(spec.model)), layout.tensor_parallel, spec.lora.quantize if spec.lora else None)
         strategy = chosen(layout, accelerator, precision, spec.train)
         fabric = L.Fabric(
@@ -119,7 +121,7 @@ class Trainer:
             map_large_host_allocations()
         if batch_note:
             fabric.print(batch_note)
-        return cls(spec, fabric, strategy, precision, attention)
+        return cls(spec, fabric, strategy, precision, attention, compiling)
 
     def prepare(self) -> None:
         """Data and tokenizer (rank 0 first), the model built, filled and wrapped, the checkpointer, a resume."""
@@ -153,11 +155,14 @@ class Trainer:
         fabric.seed_everything(spec.seed, verbose=False)
         attention = self.attention
         fabric.print(describe_attention(attention, fabric.device.type, self.precision))
+        fabric.print(self.compiling.line())
         self.lm, fill, on_device = build_module(
             source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed,
-            device=fabric.device, strategy=self.strategy, attention=attention, compile=spec.compile,
+            device=fabric.device, strategy=self.strategy, attention=attention, compile=self.compiling.enabled, fp8=spec.fp8,
             liger=choose_kernels(spec.kernels, fabric.device.type), objective=spec.objective,
         )
+        if spec.fp8 is not None:
+            fabric.print(describe_fp8(spec.fp8, self.lm.model.fp8_layers, self.lm.hf_model))
         join_context_groups(self.context, fabric.world_size)
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
         keep_rotary_fp32(self.lm)
@@ -201,7 +206,8 @@ class Trainer:
         self.flops = StepFlops.for_run(
             self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print, reference_forward=reference_forward,
         )
-        self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step, compiled=spec.compile)
+        self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step,
+                               compiled=CompileStats(self.lm.compiled_kinds) if self.compiling.enabled else None)
         samples = spec.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
         self.sample_log = SampleLog(samples if train.record_sample_ids else None)
         profiles = spec.out_dir / "logs" / "profile"

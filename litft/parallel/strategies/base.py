@@ -18,6 +18,7 @@ from litft.checkpoint.format import safe_reader
 from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
+from litft.fp8 import precompute_scales as precompute_fp8_scales
 from litft.memory import Param, States
 from litft.weights import CheckpointWeights, Materializer, skeleton
 
@@ -64,6 +65,7 @@ class TrainingStrategy:
     splits_blocks: ClassVar[bool] = False  # holds blocks split by --tensor_parallel or --expert_parallel (DTensors on a mesh)
     options: ClassVar[Optional[str]] = None  # the flag group only this strategy reads (--fsdp.*, --deepspeed.*)
     checkpoint_format: ClassVar[str] = "dcp"
+    gathers_fp8: ClassVar[bool] = False  # all-gathers weights in FP8 under --fp8 tensorwise (FSDP), scales computed after each step
 
     def __init__(self, layout: Layout, accelerator: str, precision: str, train: TrainArgs):
         self.layout, self.accelerator, self.precision, self.train = layout, accelerator, precision, train
@@ -158,6 +160,8 @@ class TrainingStrategy:
         norm = self.clip_gradients(module, optimizer, max_norm) if max_norm else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if self.gathers_fp8 and getattr(module, "fp8_all_gather", False):
+            precompute_fp8_scales(module)  # one reduction for every weight's scale, before the next all-gather
         return norm
 
     def clip_gradients(self, module, optimizer, max_norm: float):

@@ -161,6 +161,7 @@ class FSDP(TrainingStrategy):
     options = "fsdp"
     splits_blocks = True
     gathers_weights = True
+    gathers_fp8 = True
 
     @classmethod
     def check(cls, layout: Layout, accelerator: str, precision: str) -> None:
