@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from litft.parallel.tensor import split_over_tensor_parallel
-from tests.conftest import ROOT, final_value, read_metrics, run_cli, run_recording_zero3_partitions, step_losses
+from tests.batch import Batch
+from tests.conftest import ROOT, final_value, read_metrics, run_recording_zero3_partitions, step_losses
 
 COMMON = [
     "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8",
@@ -41,23 +42,63 @@ LAYOUTS = {
 STATE_KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One process, 2 micro-batches of 4, per job (computed once)."""
-    done = {}
-
-    def get(job):
-        if job not in done:
-            out = tmp_path_factory.mktemp(f"single-{job}")
-            run_cli(command(job), *COMMON, *JOBS[job][0], "--train.micro_batch_size", "4", "--out_dir", out)
-            done[job] = out
-        return done[job]
-
-    return get
-
-
 def command(job):
     return "finetune_lora" if job == "qlora" else job
+
+
+# Every layout trains the full model; LoRA (only adapters sharded) runs under DDP and the two that shard everything.
+CASES = [("finetune_full", layout) for layout in LAYOUTS] + [("finetune_lora", layout) for layout in ("ddp", "FULL_SHARD", "zero3")]
+QLORA = {
+    "ddp": (["--strategy", "ddp"], (1.0, 1.0, 1.0)),
+    # The 4-bit base stays whole on every rank (FSDP ignores it), so only adapters' states halve.
+    "FULL_SHARD": (["--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD"], (None, 0.5, 0.5)),
+    "zero3": (["--strategy", "deepspeed", "--deepspeed.stage", "3"], (0.5, 0.5, 0.75)),
+}
+TWO = ["--devices", "2", "--train.micro_batch_size", "2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_dir):
+    """Every run of this file but the two that start their own processes, in three batches of long-lived processes
+    (tests/batch.py): the one-process references, the 4-rank runs, then the 2-rank ones (resumes of 4-rank checkpoints among them)."""
+    import json
+
+    batch = Batch(tmp_path_factory.mktemp("sharding"))
+    for job in JOBS:  # one process, 2 micro-batches of 4
+        batch.add(f"single-{job}", 1, command(job), *COMMON, *JOBS[job][0], "--train.micro_batch_size", "4")
+    for job, layout in CASES:
+        batch.add(f"{job}-{layout}", 2, job, *COMMON, *JOBS[job][0], *LAYOUTS[layout][0], *TWO)
+    for layout in ("ddp", "FULL_SHARD"):
+        batch.add(f"qlora-{layout}", 2, "finetune_lora", *COMMON, *JOBS["qlora"][0], *QLORA[layout][0], *TWO)
+    batch.add("bf16-checkpointed", 2, "finetune_full", *COMMON, *LAYOUTS["FULL_SHARD"][0], *TWO, "--precision", "bf16-mixed",
+              "--train.gradient_checkpointing", "true")
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    untied = batch.root / "untied" / "config.json"
+    untied.parent.mkdir()
+    untied.write_text(json.dumps(config))
+    pretrain = ["pretrain", untied, "--tokenizer", tiny_dir, *COMMON]
+    batch.add("pretrain-single", 1, *pretrain, "--train.micro_batch_size", "4")
+    batch.add("pretrain-fsdp", 2, *pretrain, "--strategy", "fsdp", *TWO)
+    batch.add("pretrain-zero3", 2, *pretrain, *LAYOUTS["zero3"][0], *TWO)
+    four = ["--strategy", "fsdp", "--devices", "4", "--train.micro_batch_size", "2"]
+    cp = batch.add("full-cp", 4, "finetune_full", *COMMON, *four, "--context_parallel", "2", "--train.save_interval", "2")
+    batch.add("lora-cp-fsdp", 4, "finetune_lora", *COMMON, *JOBS["finetune_lora"][0], *four, "--train.save_interval", "null",
+              "--context_parallel", "2")
+    batch.add("lora-cp-zero3", 2, "finetune_lora", *COMMON, *JOBS["finetune_lora"][0], *LAYOUTS["zero3"][0], "--devices", "2",
+              "--train.micro_batch_size", "4", "--context_parallel", "2")
+    tp = batch.add("full-tp", 4, "finetune_full", *COMMON, *four, "--tensor_parallel", "2", "--train.save_interval", "2")
+    batch.add("lora-tp", 4, "finetune_lora", *COMMON, *JOBS["finetune_lora"][0], *four, "--tensor_parallel", "2", "--train.save_interval", "null")
+    for name, parent in (("full-cp-resumed", cp), ("full-tp-resumed", tp)):  # on 2 ranks, without the split
+        batch.add(name, 2, "finetune_full", *COMMON, "--strategy", "fsdp", "--devices", "2", "--train.micro_batch_size", "4",
+                  "--eval.final_validation", "false", "--resume", parent / "checkpoints" / "step-00000002")
+    return batch
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    """One process, 2 micro-batches of 4, per job."""
+    return lambda job: runs.out(f"single-{job}")
 
 
 def state_bytes(out_dir):
@@ -83,15 +124,10 @@ def assert_same_training(single, sharded, job, fractions):
         assert abs(held - fraction * whole) <= 0.01 * whole, (key, held, whole, fraction)
 
 
-# Every layout trains the full model; LoRA (only adapters sharded) runs under DDP and the two that shard everything.
-CASES = [("finetune_full", layout) for layout in LAYOUTS] + [("finetune_lora", layout) for layout in ("ddp", "FULL_SHARD", "zero3")]
-
-
 @pytest.mark.parametrize("job, layout", CASES, ids=[f"{job}-{layout}" for job, layout in CASES])
-def test_two_ranks_match_one_process(tmp_path, reference, job, layout):
-    flags, fractions = LAYOUTS[layout]
-    out = tmp_path / layout
-    run_cli(job, *COMMON, *JOBS[job][0], *flags, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", out)
+def test_two_ranks_match_one_process(runs, reference, job, layout):
+    fractions = LAYOUTS[layout][1]
+    out = runs.out(f"{job}-{layout}")
     assert_same_training(reference(job), out, job, fractions)
     if layout == "NO_SHARD":
         assert [r["replica_checksum_spread"] for r in read_metrics(out) if "replica_checksum_spread" in r] == [0.0]
@@ -110,24 +146,15 @@ def flops_per_token_logged(out_dir):
     return [r["tflops_per_s_per_device"] * 1e12 * world / r["tokens_per_s"] for r in rows]
 
 
-@pytest.mark.parametrize(
-    "flags, fractions",
-    [
-        (["--strategy", "ddp"], (1.0, 1.0, 1.0)),
-        # The 4-bit base stays whole on every rank (FSDP ignores it), so only adapters' states halve.
-        (["--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD"], (None, 0.5, 0.5)),
-        (["--strategy", "deepspeed", "--deepspeed.stage", "3"], (0.5, 0.5, 0.75)),
-    ],
-    ids=["ddp", "FULL_SHARD", "zero3"],
-)
-def test_qlora_on_two_ranks_matches_one_process(tmp_path, reference, flags, fractions):
+@pytest.mark.parametrize("layout", list(QLORA))
+def test_qlora_on_two_ranks_matches_one_process(tmp_path, runs, reference, layout):
     """Under ZeRO-3 the 4-bit base is quantized a block at a time and partitioned as it is made, never whole on a rank."""
-    out = tmp_path / "qlora"
-    args = ["finetune_lora", *COMMON, *JOBS["qlora"][0], *flags, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", out]
-    if "deepspeed" not in flags:
-        run_cli(*args)
-    else:
-        recorded = run_recording_zero3_partitions(tmp_path, *args)
+    flags, fractions = QLORA[layout]
+    if layout != "zero3":
+        out = runs.out(f"qlora-{layout}")
+    else:  # with deepspeed.initialize patched to record what each rank holds: a process of its own
+        out = tmp_path / "qlora"
+        recorded = run_recording_zero3_partitions(tmp_path, "finetune_lora", *COMMON, *JOBS["qlora"][0], *flags, *TWO, "--out_dir", out)
         assert [r["gathered"] for r in recorded] == [0, 0]  # each rank copied its own slices; nothing was sent whole
         for rank in recorded:
             assert sum(kind == "Params4bit" for *_, kind in rank["held"].values()) == 28  # 7 per block, 4 blocks
@@ -136,13 +163,9 @@ def test_qlora_on_two_ranks_matches_one_process(tmp_path, reference, flags, frac
     assert_same_training(reference("qlora"), out, "qlora", fractions)
 
 
-def test_fsdp_bf16_with_activation_checkpointing_tracks_fp32(tmp_path, reference):
+def test_fsdp_bf16_with_activation_checkpointing_tracks_fp32(runs, reference):
     """bf16 compute with fp32 gradient reduction and per-block recomputation: close to fp32, not equal."""
-    out = tmp_path / "bf16"
-    run_cli(
-        "finetune_full", *COMMON, "--strategy", "fsdp", "--fsdp.sharding_strategy", "FULL_SHARD", "--devices", "2",
-        "--train.micro_batch_size", "2", "--precision", "bf16-mixed", "--train.gradient_checkpointing", "true", "--out_dir", out,
-    )
+    out = runs.out("bf16-checkpointed")
     fp32, bf16 = step_losses(reference("finetune_full")), step_losses(out)
     assert len(bf16) == 4
     for a, b in zip(fp32, bf16):
@@ -151,25 +174,16 @@ def test_fsdp_bf16_with_activation_checkpointing_tracks_fp32(tmp_path, reference
     assert all(t.dtype == torch.float32 for t in load_file(out / "final" / "model.safetensors").values())
 
 
-def test_pretrain_from_config_untied_fsdp_and_zero3_match_one_process(tmp_path, tiny_dir):
+def test_pretrain_from_config_untied_fsdp_and_zero3_match_one_process(runs):
     """Random init (a pure function of seed and tensor name) and untied embeddings sharded as units of their own.
 
     Under ZeRO-3 no value is sent at build time: a random init reaches each rank's
     partition only from rank 0's fill of its module.
     """
-    import json
-
-    config = json.loads((tiny_dir / "config.json").read_text())
-    config["tie_word_embeddings"] = False
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    args = ["pretrain", tmp_path / "config.json", "--tokenizer", tiny_dir, *COMMON]
-    run_cli(*args, "--train.micro_batch_size", "4", "--out_dir", tmp_path / "single")
-    run_cli(*args, "--strategy", "fsdp", "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", tmp_path / "fsdp")
-    run_cli(*args, *LAYOUTS["zero3"][0], "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", tmp_path / "zero3")
-    single = tmp_path / "single"
+    single = runs.out("pretrain-single")
     assert "lm_head.weight" in load_file(single / "final" / "model.safetensors")
-    assert_same_training(single, tmp_path / "fsdp", "finetune_full", (0.5, 0.5, 0.5))
-    assert_same_training(single, tmp_path / "zero3", "finetune_full", LAYOUTS["zero3"][1])
+    assert_same_training(single, runs.out("pretrain-fsdp"), "finetune_full", (0.5, 0.5, 0.5))
+    assert_same_training(single, runs.out("pretrain-zero3"), "finetune_full", LAYOUTS["zero3"][1])
 
 
 def free_port() -> int:
@@ -205,54 +219,32 @@ def test_hybrid_shard_two_nodes_match_one_process(tmp_path, reference, job):
     assert '"world_size": 4' in meta and len(list((out / "checkpoints" / "step-00000004" / "model").glob("*.distcp"))) == 4
 
 
-def test_fsdp_with_context_parallel_matches_one_process_and_resumes_without_it(reference, tmp_path):
+def test_fsdp_with_context_parallel_matches_one_process_and_resumes_without_it(runs, reference):
     """4 ranks: FSDP over all of them, two context groups of 2 (two data-parallel ranks, micro-batches of 2 rows, each row cut
     in two). TinyTasks' uneven samples make padding-free rows that are padded to the group and cut mid-sample, so the
     all-to-all around attention and targets across a slice's edge are exercised. The step-2 checkpoint then resumes on 2
     ranks without context parallel and ends where one process ends."""
-    single, out = reference("finetune_full"), tmp_path / "cp"
-    run_cli(
-        "finetune_full", *COMMON, "--strategy", "fsdp", "--devices", "4", "--context_parallel", "2", "--train.micro_batch_size", "2",
-        "--train.save_interval", "2", "--out_dir", out, timeout=600,
-    )
+    single, out = reference("finetune_full"), runs.out("full-cp")
     assert_same_training(single, out, "finetune_full", (0.25, 0.25, 0.25))
     assert abs(final_value(out, "val_loss") - final_value(single, "val_loss")) <= 1e-5 * final_value(single, "val_loss")
-    resumed = tmp_path / "resumed"
-    run_cli(
-        "finetune_full", *COMMON, "--strategy", "fsdp", "--devices", "2", "--train.micro_batch_size", "4",
-        "--resume", out / "checkpoints" / "step-00000002", "--out_dir", resumed, "--eval.final_validation", "false",
-    )
+    resumed = runs.out("full-cp-resumed")
     expected = step_losses(single)[2:]
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(step_losses(resumed), expected)) and len(step_losses(resumed)) == 2
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        # 4 ranks, two context groups of 2: the adapters sharded with their layers.
-        ["--strategy", "fsdp", "--devices", "4", "--train.micro_batch_size", "2", "--train.save_interval", "null"],
-        # ZeRO-3 partitions the weights over the two ranks of one context group.
-        ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2", "--train.micro_batch_size", "4"],
-    ],
-    ids=["fsdp", "zero3"],
-)
-def test_lora_with_context_parallel_matches_one_process(reference, tmp_path, layout):
-    out = tmp_path / "lora-cp"
-    run_cli("finetune_lora", *COMMON, *JOBS["finetune_lora"][0], *layout, "--context_parallel", "2", "--out_dir", out, timeout=600)
-    assert_same_training(reference("finetune_lora"), out, "finetune_lora", (None, None, None))
+@pytest.mark.parametrize("layout", ["fsdp", "zero3"])
+def test_lora_with_context_parallel_matches_one_process(runs, reference, layout):
+    """fsdp: 4 ranks, two context groups of 2, the adapters sharded with their layers; zero3: ZeRO-3 partitions the weights
+    over the two ranks of one context group."""
+    assert_same_training(reference("finetune_lora"), runs.out(f"lora-cp-{layout}"), "finetune_lora", (None, None, None))
 
 
 @pytest.mark.parametrize("job", ["finetune_full", "finetune_lora"])
-def test_tensor_parallel_under_fsdp_matches_one_process(reference, tmp_path, job):
+def test_tensor_parallel_under_fsdp_matches_one_process(runs, reference, job):
     """4 ranks: two tensor-parallel groups of 2 (each block's heads and MLP split, LoRA adapters with their layer), FSDP over
     the two groups. The full model's step-2 checkpoint then resumes on 2 ranks without tensor parallel (DCP reshards the
     split tensors) and ends where one process ends."""
-    out = tmp_path / "tp"
-    save = ["--train.save_interval", "2"] if job == "finetune_full" else ["--train.save_interval", "null"]
-    run_cli(
-        job, *COMMON, *JOBS[job][0], "--strategy", "fsdp", "--devices", "4", "--tensor_parallel", "2", "--train.micro_batch_size", "2",
-        *save, "--out_dir", out, timeout=600,
-    )
+    out = runs.out("full-tp" if job == "finetune_full" else "lora-tp")
     fractions = (None, None, None)
     if job == "finetune_full":
         # A split layer's tensors are held by one rank of four (tensor x FSDP), the rest (norms, embeddings) by one of two.
@@ -262,10 +254,6 @@ def test_tensor_parallel_under_fsdp_matches_one_process(reference, tmp_path, job
     assert_same_training(reference(job), out, job, fractions)
     assert abs(final_value(out, "val_loss") - final_value(reference(job), "val_loss")) <= 1e-5 * final_value(reference(job), "val_loss")
     if job == "finetune_full":
-        resumed = tmp_path / "resumed"
-        run_cli(
-            job, *COMMON, "--strategy", "fsdp", "--devices", "2", "--train.micro_batch_size", "4", "--eval.final_validation", "false",
-            "--resume", out / "checkpoints" / "step-00000002", "--out_dir", resumed,
-        )
+        resumed = runs.out("full-tp-resumed")
         expected = step_losses(reference(job))[2:]
         assert len(step_losses(resumed)) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(step_losses(resumed), expected))

@@ -1,0 +1,122 @@
+"""Many litft commands in a few long-lived processes, each command exactly as a user types it.
+
+Starting Python, torch, transformers and DeepSpeed costs a rank about as much as
+training a tiny model for a few steps; a test file of 2-rank comparisons that
+starts each run afresh spends most of its time importing. Here ``world``
+processes start once, with the environment a launcher gives (RANK, WORLD_SIZE,
+MASTER_ADDR), and run every command in turn through litft's own CLI entry point,
+each on a fresh rendezvous port; every run's out_dir is left for the tests to read.
+The path a user's ``--devices N`` takes (litft starting its own processes) is the
+launcher tests' (tests/distributed/test_launchers.py).
+
+    python -m tests.batch PLAN RANK     # one worker; run_batch starts them
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+RESULTS = "results.jsonl"
+
+
+def run_batch(commands: List[List[str]], root: Path, world: int, env: Optional[dict] = None, timeout: float = 1500) -> Dict[int, dict]:
+    """Run ``commands`` (litft argument lists) one after another on ``world`` ranks; index -> {"ok", "error"} per command."""
+    root.mkdir(parents=True, exist_ok=True)
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({"commands": [[str(a) for a in c] for c in commands], "root": str(root)}))
+    (root / RESULTS).unlink(missing_ok=True)
+    base = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        base.pop(key, None)
+    procs = []
+    for rank in range(world):
+        rank_env = dict(base)
+        if world > 1:
+            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+        log = open(root / f"worker-{rank}.log", "w")
+        procs.append((subprocess.Popen([sys.executable, "-m", "tests.batch", str(plan), str(rank)], env=rank_env, stdout=log,
+                                       stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1]), log))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    for p, log in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        log.close()
+    results = {}
+    if (root / RESULTS).is_file():
+        for line in (root / RESULTS).read_text().splitlines():
+            record = json.loads(line)
+            results[record["index"]] = record
+    tail = (root / "worker-0.log").read_text()[-3000:]
+    for index in range(len(commands)):
+        results.setdefault(index, {"index": index, "ok": False, "error": f"no result (the workers ended or timed out): ...{tail}"})
+    return results
+
+
+class Batch:
+    """Named litft commands, run together (one batch per world size, in the order given) when a test first asks for a result."""
+
+    def __init__(self, root: Path, order=(1, 4, 2)):
+        self.root, self.order = root, order
+        self.commands: Dict[str, tuple] = {}
+        self.results: Optional[Dict[str, dict]] = None
+
+    def add(self, name: str, world: int, *args) -> Path:
+        """Register a command; its out_dir (``root/name``) is returned and added to it."""
+        out = self.root / name
+        self.commands[name] = (world, [*map(str, args), "--out_dir", str(out)])
+        return out
+
+    def out(self, name: str) -> Path:
+        """The run's out_dir, once every command has run; the run's error and its workers' last lines where it failed."""
+        if self.results is None:
+            self.results = {}
+            for world in self.order:
+                names = [n for n, (w, _) in self.commands.items() if w == world]
+                if names:
+                    done = run_batch([self.commands[n][1] for n in names], self.root / f"batch-{world}", world)
+                    self.results.update({n: done[i] for i, n in enumerate(names)})
+        result = self.results[name]
+        if not result["ok"]:
+            world = self.commands[name][0]
+            logs = "".join((self.root / f"batch-{world}" / f"worker-{r}.log").read_text()[-2500:] for r in range(world))
+            raise AssertionError(f"{name}: litft {' '.join(self.commands[name][1])} {result['error']}\n{logs}")
+        return self.root / name
+
+
+def worker(plan_path: str, rank: str) -> None:
+    """Every command of the plan in turn; rank 0 records how each ended."""
+    from litft.__main__ import main
+    from litft.selfcheck import case_port
+
+    plan = json.loads(Path(plan_path).read_text())
+    root = Path(plan["root"])
+    distributed = "WORLD_SIZE" in os.environ
+    for index, command in enumerate(plan["commands"]):
+        if distributed:
+            os.environ["MASTER_PORT"] = str(case_port(root, index, rank))
+        print(f"=== {index}: litft {' '.join(command)}", flush=True)
+        error = None
+        try:
+            main(command)
+        except SystemExit as stop:
+            if stop.code not in (0, None):
+                error = f"exited {stop.code}"
+        except Exception as err:  # noqa: BLE001 - a failing command fails its test, not the rest of the batch
+            import traceback
+
+            traceback.print_exc()
+            error = f"{type(err).__name__}: {err}"[:2000]
+        if rank == "0":
+            with open(root / RESULTS, "a") as f:
+                f.write(json.dumps({"index": index, "ok": error is None, "error": error}) + "\n")
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:3])
