@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.architectures import ARCHITECTURES, save_tiny
-from tests.conftest import read_metrics, run_cli, step_losses
+from tests.batch import Batch
+from tests.conftest import read_metrics, step_losses
 
 COMMON = [
     "--data", "TinyTasks", "--data.num_train", "32", "--data.num_val", "8", "--train.global_batch_size", "8",
@@ -26,35 +27,31 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """Each model saved once and trained by one process (micro-batches of 4), shared by the cases of that model."""
-    done = {}
-
-    def get(name):
-        if name not in done:
-            root = tmp_path_factory.mktemp(name.split()[0])
-            folder = save_tiny(next(a for a in ARCHITECTURES if a.name == name), root / "model")
-            run_cli("finetune_full", folder, *COMMON, "--train.micro_batch_size", "4", "--out_dir", root / "single")
-            done[name] = folder, root / "single"
-        return done[name]
-
-    return get
+def runs(tmp_path_factory):
+    """Each model saved once and trained by one process (micro-batches of 4), then every sharded case: two batches of
+    long-lived processes (tests/batch.py)."""
+    batch = Batch(tmp_path_factory.mktemp("architectures"))
+    for name in sorted({name for name, _ in CASES.values()}):
+        folder = save_tiny(next(a for a in ARCHITECTURES if a.name == name), batch.root / f"model-{name.split()[0]}")
+        batch.add(f"single-{name.split()[0]}", 1, "finetune_full", folder, *COMMON, "--train.micro_batch_size", "4")
+    for case, (name, flags) in CASES.items():
+        batch.add(case, 2, "finetune_full", batch.root / f"model-{name.split()[0]}", *COMMON, *flags)
+    return batch
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sharded_runs_of_other_architectures_match_one_process(case, single, tmp_path):
-    name, flags = CASES[case]
-    folder, reference = single(name)
-    run_cli("finetune_full", folder, *COMMON, *flags, "--out_dir", tmp_path, timeout=600)
-    expected, got = step_losses(reference), step_losses(tmp_path)
+def test_sharded_runs_of_other_architectures_match_one_process(case, runs):
+    name, _ = CASES[case]
+    reference, sharded = runs.out(f"single-{name.split()[0]}"), runs.out(case)
+    expected, got = step_losses(reference), step_losses(sharded)
     assert len(got) == len(expected) == 3 and abs(got[0] - expected[0]) <= 1e-5 * abs(expected[0])
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
     norms = lambda run: [r["grad_norm"] for r in read_metrics(run) if "loss" in r]  # noqa: E731 (logged under every strategy)
-    assert norms(tmp_path) == pytest.approx(norms(reference), rel=1e-4) and len(norms(reference)) == 3
+    assert norms(sharded) == pytest.approx(norms(reference), rel=1e-4) and len(norms(reference)) == 3
     if "moe" in case:  # the router's balance summed over the ranks is the one process's (a TP group counts each token twice alike)
         balance = lambda run: [r[key] for key in ("expert_imbalance_max", "experts_idle") for r in read_metrics(run) if "loss" in r]  # noqa: E731
-        assert balance(tmp_path) == pytest.approx(balance(reference), rel=1e-9) and len(balance(reference)) == 6
-    ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
+        assert balance(sharded) == pytest.approx(balance(reference), rel=1e-9) and len(balance(reference)) == 6
+    ours, theirs = load_file(sharded / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert ours.keys() == theirs.keys()
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=1e-4, msg=key)
