@@ -67,10 +67,11 @@ class Batch:
         self.commands: Dict[str, tuple] = {}
         self.results: Optional[Dict[str, dict]] = None
 
-    def add(self, name: str, world: int, *args) -> Path:
-        """Register a command; its out_dir (``root/name``) is returned and added to it."""
-        out = self.root / name
-        self.commands[name] = (world, [*map(str, args), "--out_dir", str(out)])
+    def add(self, name: str, world: int, *args, out: Optional[Path] = None) -> Path:
+        """Register a command; its out_dir (``root/name`` unless given: a resumed run continues in its first run's) is returned
+        and added to it."""
+        out = out or self.root / name
+        self.commands[name] = (world, [*map(str, args), "--out_dir", str(out)], out)
         return out
 
     def out(self, name: str) -> Path:
@@ -78,7 +79,7 @@ class Batch:
         if self.results is None:
             self.results = {}
             for world in self.order:
-                names = [n for n, (w, _) in self.commands.items() if w == world]
+                names = [n for n, (w, *_) in self.commands.items() if w == world]
                 if names:
                     done = run_batch([self.commands[n][1] for n in names], self.root / f"batch-{world}", world)
                     self.results.update({n: done[i] for i, n in enumerate(names)})
@@ -87,7 +88,16 @@ class Batch:
             world = self.commands[name][0]
             logs = "".join((self.root / f"batch-{world}" / f"worker-{r}.log").read_text()[-2500:] for r in range(world))
             raise AssertionError(f"{name}: litft {' '.join(self.commands[name][1])} {result['error']}\n{logs}")
-        return self.root / name
+        return self.commands[name][2]
+
+    def output(self, name: str) -> str:
+        """What rank 0 printed while running this command (its section of the worker's log)."""
+        self.out(name)
+        world = self.commands[name][0]
+        index = [n for n, (w, *_) in self.commands.items() if w == world].index(name)
+        log = (self.root / f"batch-{world}" / "worker-0.log").read_text()
+        section = log.split(f"=== {index}: litft ", 1)[1]
+        return section.split(f"\n=== {index + 1}: litft ", 1)[0]
 
 
 def worker(plan_path: str, rank: str) -> None:

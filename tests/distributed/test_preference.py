@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT, read_metrics, run_cli, step_losses
+from tests.batch import Batch
+from tests.conftest import ROOT, read_metrics, step_losses
 
 COMMON = [
     "--data.num_train", "32", "--data.num_val", "8", "--train.global_batch_size", "8", "--train.max_steps", "3",
@@ -34,19 +35,24 @@ FIGURES = ("preference_accuracy", "reward_margin", "logp_chosen")
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """Each job trained once by one process (micro-batches of 4), shared by the cases of that job."""
-    done = {}
+def runs(tmp_path_factory):
+    """Each job trained once by one process (micro-batches of 4), then the sharded cases and the DDP run stopped and
+    resumed: two batches of long-lived processes (tests/batch.py)."""
+    batch = Batch(tmp_path_factory.mktemp("preference"))
+    for name, (job, flags) in JOBS.items():
+        batch.add(f"single-{name}", 1, job, *COMMON, *flags, "--train.micro_batch_size", "4")
+    for case, (name, flags) in CASES.items():
+        batch.add(case, 2, JOBS[name][0], *COMMON, *JOBS[name][1], *flags)
+    job, flags = JOBS["full-dpo"]
+    flags = [*COMMON, *flags, "--strategy", "ddp", *TWO]
+    stopped = batch.add("ddp-stopped", 2, job, *flags, "--train.stop_after_steps", "1")
+    batch.add("ddp-resumed", 2, job, *flags, "--resume", "auto", out=stopped)
+    return batch
 
-    def get(name):
-        if name not in done:
-            job, flags = JOBS[name]
-            out = tmp_path_factory.mktemp(name)
-            run_cli(job, *COMMON, *flags, "--train.micro_batch_size", "4", "--out_dir", out)
-            done[name] = out
-        return done[name]
 
-    return get
+@pytest.fixture(scope="module")
+def single(runs):
+    return lambda name: runs.out(f"single-{name}")
 
 
 def figures(run):
@@ -54,11 +60,9 @@ def figures(run):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sharded_preference_runs_match_one_process(case, single, tmp_path):
-    name, flags = CASES[case]
-    job, job_flags = JOBS[name]
-    reference = single(name)
-    run_cli(job, *COMMON, *job_flags, *flags, "--out_dir", tmp_path, timeout=600)
+def test_sharded_preference_runs_match_one_process(case, runs, single):
+    name, _ = CASES[case]
+    reference, tmp_path = single(name), runs.out(case)
     expected, got = step_losses(reference), step_losses(tmp_path)
     assert len(got) == len(expected) == 3 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
     assert figures(tmp_path) == pytest.approx(figures(reference), rel=1e-4, abs=1e-6) and len(figures(reference)) == 9
@@ -92,15 +96,12 @@ def test_hybrid_shard_over_two_launches_with_context_parallel_matches_one_proces
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=1e-4, msg=key)
 
 
-def test_a_precomputed_reference_resumes_without_scoring_again(single, tmp_path):
+def test_a_precomputed_reference_resumes_without_scoring_again(runs, single):
     """Under DDP, stopped after a step and resumed: the losses of one uninterrupted process, the reference read from the checkpoint."""
-    job, flags = JOBS["full-dpo"]
-    flags = [*flags, "--strategy", "ddp", *TWO]
-    first = run_cli(job, *COMMON, *flags, "--train.stop_after_steps", "1", "--out_dir", tmp_path)
-    assert "pairs scored by the initial model" in first.stderr + first.stdout
+    tmp_path = runs.out("ddp-resumed")
+    assert "pairs scored by the initial model" in runs.output("ddp-stopped")
     assert (tmp_path / "checkpoints" / "step-00000001" / "reference_logps.pt").is_file()
-    second = run_cli(job, *COMMON, *flags, "--resume", "auto", "--out_dir", tmp_path)
-    said = second.stderr + second.stdout
+    said = runs.output("ddp-resumed")
     assert "reference log-probs of 40 pairs read from" in said and "scored by the initial model" not in said
     expected = step_losses(single("full-dpo"))
     got = step_losses(tmp_path)
