@@ -23,6 +23,9 @@ from typing import Dict, List, Optional
 RESULTS = "results.jsonl"
 
 
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+
+
 def run_batch(commands: List[List[str]], root: Path, world: int, env: Optional[dict] = None, timeout: float = 1500) -> Dict[int, dict]:
     """Run ``commands`` (litft argument lists) one after another on ``world`` ranks; index -> {"ok", "error"} per command."""
     root.mkdir(parents=True, exist_ok=True)
@@ -30,12 +33,12 @@ def run_batch(commands: List[List[str]], root: Path, world: int, env: Optional[d
     plan.write_text(json.dumps({"commands": [[str(a) for a in c] for c in commands], "root": str(root)}))
     (root / RESULTS).unlink(missing_ok=True)
     base = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+    for key in LAUNCH_VARIABLES:
         base.pop(key, None)
     procs = []
     for rank in range(world):
         rank_env = dict(base)
-        if world > 1:
+        if world > 1:  # what a launcher gives each rank
             rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
         log = open(root / f"worker-{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, "-m", "tests.batch", str(plan), str(rank)], env=rank_env, stdout=log,
@@ -60,48 +63,56 @@ def run_batch(commands: List[List[str]], root: Path, world: int, env: Optional[d
 
 
 class Batch:
-    """Named litft commands, run together (one batch per world size, in the order given) when a test first asks for a result."""
+    """Named litft commands, run when a test first asks for a result: one set of processes per world size (ranks that ran
+    different jobs before would disagree on DeepSpeed's process-wide numbering), in batches ordered so that a command
+    reading another's out_dir (a resume) runs after it."""
 
-    def __init__(self, root: Path, order=(1, 4, 2)):
-        self.root, self.order = root, order
-        self.commands: Dict[str, tuple] = {}
+    def __init__(self, root: Path):
+        self.root = root
+        self.commands: Dict[str, tuple] = {}  # name -> (world, arguments, out_dir, phase)
         self.results: Optional[Dict[str, dict]] = None
 
     def add(self, name: str, world: int, *args, out: Optional[Path] = None) -> Path:
-        """Register a command; its out_dir (``root/name`` unless given: a resumed run continues in its first run's) is returned
-        and added to it."""
+        """Register a command for ``world`` ranks; its out_dir (``root/name`` unless given: a resumed run continues in its
+        first run's) is returned and added to it."""
         out = out or self.root / name
-        self.commands[name] = (world, [*map(str, args), "--out_dir", str(out)], out)
+        args = [*map(str, args), "--out_dir", str(out)]
+        # After every earlier command whose out_dir it reads: in the same batch where that one's world is its own, else a later one.
+        phase = max([c[3] + (c[0] != world) for c in self.commands.values() if any(str(c[2]) in a for a in args[:-2])], default=0)
+        self.commands[name] = (world, args, out, phase)
         return out
+
+    def _batches(self) -> List[tuple]:
+        keys = sorted({(c[3], c[0]) for c in self.commands.values()})
+        return [(phase, world, [n for n, c in self.commands.items() if (c[3], c[0]) == (phase, world)]) for phase, world in keys]
 
     def out(self, name: str) -> Path:
         """The run's out_dir, once every command has run; the run's error and its workers' last lines where it failed."""
         if self.results is None:
             self.results = {}
-            for world in self.order:
-                names = [n for n, (w, *_) in self.commands.items() if w == world]
-                if names:
-                    done = run_batch([self.commands[n][1] for n in names], self.root / f"batch-{world}", world)
-                    self.results.update({n: done[i] for i, n in enumerate(names)})
+            for phase, world, names in self._batches():
+                done = run_batch([self.commands[n][1] for n in names], self.root / f"batch-{phase}-{world}", world)
+                self.results.update({n: done[i] for i, n in enumerate(names)})
         result = self.results[name]
         if not result["ok"]:
-            world = self.commands[name][0]
-            logs = "".join((self.root / f"batch-{world}" / f"worker-{r}.log").read_text()[-2500:] for r in range(world))
+            logs = "".join(self._section(name, rank)[-2500:] for rank in range(self.commands[name][0]))
             raise AssertionError(f"{name}: litft {' '.join(self.commands[name][1])} {result['error']}\n{logs}")
         return self.commands[name][2]
 
     def output(self, name: str) -> str:
-        """What rank 0 printed while running this command (its section of the worker's log)."""
+        """What rank 0 printed while running this command."""
         self.out(name)
-        world = self.commands[name][0]
-        index = [n for n, (w, *_) in self.commands.items() if w == world].index(name)
-        log = (self.root / f"batch-{world}" / "worker-0.log").read_text()
-        section = log.split(f"=== {index}: litft ", 1)[1]
-        return section.split(f"\n=== {index + 1}: litft ", 1)[0]
+        return self._section(name, 0)
+
+    def _section(self, name: str, rank: int) -> str:
+        world, _, _, phase = self.commands[name]
+        index = next(names for p, w, names in self._batches() if (p, w) == (phase, world)).index(name)
+        log = (self.root / f"batch-{phase}-{world}" / f"worker-{rank}.log").read_text()
+        return log.split(f"=== {index}: litft ", 1)[-1].split(f"\n=== {index + 1}: litft ", 1)[0]
 
 
 def worker(plan_path: str, rank: str) -> None:
-    """Every command of the plan in turn; rank 0 records how each ended."""
+    """Every command of the plan in turn, each on a fresh rendezvous port; rank 0 records how each ended."""
     from litft.__main__ import main
     from litft.selfcheck import case_port
 

@@ -6,7 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_cli, run_recording_zero3_partitions
+from tests.batch import Batch
+from tests.conftest import read_metrics, run_recording_zero3_partitions
 
 COMMON = [
     "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8",
@@ -54,33 +55,63 @@ def assert_chain_sees_each_sample_once(whole, middle, last):
     assert max(seen.values()) == 1 and len(seen) == 48  # one epoch of 64: none twice, none skipped
 
 
+ZERO3 = ["--strategy", "deepspeed", "--deepspeed.stage", "3"]
+
+
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
+def zero3_two_ranks(tmp_path_factory):
+    """ZeRO-3 on 2 ranks, 6 steps, checkpoints at 2, 4 and 6, each rank's parameter partitions recorded: the reference
+    (a launch of its own, with deepspeed.initialize patched to record)."""
+    root = tmp_path_factory.mktemp("zero3")
+    out = root / "run"
+    recorded = run_recording_zero3_partitions(root, "finetune_full", *COMMON, *ZERO3, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", out)
+    assert len(list((checkpoint(out, 2) / "model").glob("*.distcp"))) == 2  # litft's DCP layout, not DeepSpeed's files
+    return out, recorded
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, zero3_two_ranks):
+    """Every other run, in batches of long-lived processes (tests/batch.py), each resume in a phase after the run it continues."""
+    batch = Batch(tmp_path_factory.mktemp("resume"))
+    whole, _ = zero3_two_ranks
+    fsdp4 = ["finetune_full", *COMMON, *FULL_SHARD, "--devices", "4", "--train.micro_batch_size", "2"]
+    four = batch.add("four", 4, *fsdp4)
+    batch.add("four-again", 4, *fsdp4, "--resume", checkpoint(four, 4))
+    two = batch.add("two", 2, "finetune_full", *COMMON, "--strategy", "fsdp", "--fsdp.sharding_strategy", "HYBRID_SHARD", "--fsdp.shard_size", "1",
+                    "--devices", "2", "--train.micro_batch_size", "2", "--resume", checkpoint(four, 2))
+    batch.add("two-one", 1, "finetune_full", *COMMON, "--train.micro_batch_size", "8", "--resume", checkpoint(two, 4))
+    one = batch.add("zero3-one", 1, "finetune_full", *COMMON, *ZERO3, "--devices", "1", "--train.micro_batch_size", "8",
+                    "--resume", checkpoint(whole, 2))
+    batch.add("zero3-one-stage2", 2, "finetune_full", *COMMON, "--strategy", "deepspeed", "--deepspeed.stage", "2", "--devices", "2",
+              "--train.micro_batch_size", "2", "--resume", checkpoint(one, 4))
+    batch.add("zero3-plain", 1, "finetune_full", *COMMON, "--train.micro_batch_size", "8", "--resume", checkpoint(whole, 4))
+    lora = ["finetune_lora", *COMMON, *ZERO3, "--lora_r", "4", "--lora_dropout", "0.1", "--train.max_steps", "4", "--train.micro_batch_size", "2",
+            "--devices", "2"]
+    lora_whole = batch.add("zero3-lora", 2, *lora)
+    batch.add("zero3-lora-resumed", 2, *lora, "--resume", checkpoint(lora_whole, 2))
+    return batch
+
+
+@pytest.fixture(scope="module")
+def four_ranks(runs):
     """FULL_SHARD on 4 ranks, 6 steps, checkpoints at 2, 4 and 6: the uninterrupted reference."""
-    out = tmp_path_factory.mktemp("fsdp4") / "run"
-    run_cli("finetune_full", *COMMON, *FULL_SHARD, "--devices", "4", "--train.micro_batch_size", "2", "--out_dir", out)
+    out = runs.out("four")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]
     assert len(list((checkpoint(out, 2) / "model").glob("*.distcp"))) == 4  # one shard file per rank
     return out
 
 
-def test_fsdp_resume_on_four_ranks(four_ranks, tmp_path):
-    out = tmp_path / "again"
-    run_cli("finetune_full", *COMMON, *FULL_SHARD, "--devices", "4", "--train.micro_batch_size", "2", "--out_dir", out,
-            "--resume", checkpoint(four_ranks, 4))
+def test_fsdp_resume_on_four_ranks(four_ranks, runs):
+    out = runs.out("four-again")
     assert sorted(losses(out)) == [5, 6]
     assert_close_losses(losses(four_ranks), losses(out), [5, 6])
 
 
-def test_topology_change_4_to_2_to_1_sees_every_sample_once(four_ranks, tmp_path):
+def test_topology_change_4_to_2_to_1_sees_every_sample_once(four_ranks, runs):
     """4 ranks (FULL_SHARD) -> 2 ranks (HYBRID_SHARD, 2 replicas) -> 1 process, from the same data position."""
-    two, one = tmp_path / "two", tmp_path / "one"
-    run_cli("finetune_full", *COMMON, "--strategy", "fsdp", "--fsdp.sharding_strategy", "HYBRID_SHARD", "--fsdp.shard_size", "1",
-            "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", two, "--resume", checkpoint(four_ranks, 2))
+    two, one = runs.out("two"), runs.out("two-one")
     meta = json.loads((checkpoint(two, 4) / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["step"] == 4
-    run_cli("finetune_full", *COMMON, "--train.micro_batch_size", "8", "--out_dir", one, "--resume", checkpoint(two, 4))
-
     reference = losses(four_ranks)
     assert_close_losses(reference, losses(two), [3, 4, 5, 6])
     assert_close_losses(reference, losses(one), [5, 6])
@@ -102,19 +133,6 @@ def test_convert_fsdp_checkpoint_matches_training_export(four_ranks, tmp_path):
     torch.testing.assert_close(ours, trained, rtol=0, atol=1e-6)
 
 
-ZERO3 = ["--strategy", "deepspeed", "--deepspeed.stage", "3"]
-
-
-@pytest.fixture(scope="module")
-def zero3_two_ranks(tmp_path_factory):
-    """ZeRO-3 on 2 ranks, 6 steps, checkpoints at 2, 4 and 6, each rank's parameter partitions recorded: the reference."""
-    root = tmp_path_factory.mktemp("zero3")
-    out = root / "run"
-    recorded = run_recording_zero3_partitions(root, "finetune_full", *COMMON, *ZERO3, "--devices", "2", "--train.micro_batch_size", "2", "--out_dir", out)
-    assert len(list((checkpoint(out, 2) / "model").glob("*.distcp"))) == 2  # litft's DCP layout, not DeepSpeed's files
-    return out, recorded
-
-
 def test_zero3_never_holds_the_whole_model_before_deepspeed_initialize(zero3_two_ranks):
     """Built under zero.Init and filled in place: every weight is already a partition of half when ZeRO gets it.
 
@@ -131,14 +149,10 @@ def test_zero3_never_holds_the_whole_model_before_deepspeed_initialize(zero3_two
     assert sum(p for _, _, p, _ in ranks[0].values()) <= 0.51 * sum(w for _, w, _, _ in ranks[0].values())
 
 
-def test_zero3_resumes_on_one_rank_then_at_stage_2_and_sees_every_sample_once(zero3_two_ranks, tmp_path):
+def test_zero3_resumes_on_one_rank_then_at_stage_2_and_sees_every_sample_once(zero3_two_ranks, runs):
     """ZeRO-3 on 2 ranks -> ZeRO-3 on 1 rank -> ZeRO-2 on 2 ranks, from the same data position, as if never stopped."""
     whole, _ = zero3_two_ranks
-    one, stage2 = tmp_path / "one", tmp_path / "stage2"
-    run_cli("finetune_full", *COMMON, *ZERO3, "--devices", "1", "--train.micro_batch_size", "8", "--out_dir", one,
-            "--resume", checkpoint(whole, 2))
-    run_cli("finetune_full", *COMMON, "--strategy", "deepspeed", "--deepspeed.stage", "2", "--devices", "2",
-            "--train.micro_batch_size", "2", "--out_dir", stage2, "--resume", checkpoint(one, 4))
+    one, stage2 = runs.out("zero3-one"), runs.out("zero3-one-stage2")
     reference = losses(whole)
     assert sorted(losses(one)) == [3, 4, 5, 6] and sorted(losses(stage2)) == [5, 6]
     assert_close_losses(reference, losses(one), [3, 4, 5, 6])
@@ -146,21 +160,18 @@ def test_zero3_resumes_on_one_rank_then_at_stage_2_and_sees_every_sample_once(ze
     assert_chain_sees_each_sample_once(whole, one, stage2)
 
 
-def test_zero3_checkpoint_resumes_in_one_plain_process(zero3_two_ranks, tmp_path):
+def test_zero3_checkpoint_resumes_in_one_plain_process(zero3_two_ranks, runs):
     """DeepSpeed writes the layout a plain AdamW run reads: the run continues without DeepSpeed."""
     whole, _ = zero3_two_ranks
-    run_cli("finetune_full", *COMMON, "--train.micro_batch_size", "8", "--out_dir", tmp_path / "plain", "--resume", checkpoint(whole, 4))
-    assert sorted(losses(tmp_path / "plain")) == [5, 6]
-    assert_close_losses(losses(whole), losses(tmp_path / "plain"), [5, 6])
+    plain = runs.out("zero3-plain")
+    assert sorted(losses(plain)) == [5, 6]
+    assert_close_losses(losses(whole), losses(plain), [5, 6])
 
 
-def test_deepspeed_zero3_lora_resume_and_convert(tmp_path):
+def test_deepspeed_zero3_lora_resume_and_convert(runs, tmp_path):
     """LoRA with dropout under ZeRO-3: the adapters' states and every rank's generators come back; convert reads the checkpoint."""
-    args = [*COMMON, *ZERO3, "--lora_r", "4", "--lora_dropout", "0.1", "--train.max_steps", "4", "--train.micro_batch_size", "2"]
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    run_cli("finetune_lora", *args, "--devices", "2", "--out_dir", whole)
+    whole, resumed = runs.out("zero3-lora"), runs.out("zero3-lora-resumed")
     assert len(list((checkpoint(whole, 2) / "model").glob("*.distcp"))) == 2
-    run_cli("finetune_lora", *args, "--devices", "2", "--out_dir", resumed, "--resume", checkpoint(whole, 2))
     assert sorted(losses(resumed)) == [3, 4]
     assert_close_losses(losses(whole), losses(resumed), [3, 4])
 
