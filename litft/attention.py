@@ -11,17 +11,20 @@ from the position ids by itself. Which one a run uses is chosen once
 (:func:`choose`) and said in the log.
 """
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -350,6 +353,31 @@ def segments_mask(*args, attention_mask=None, **kwargs):
 
 AttentionInterface.register(SEGMENTS, segments_attention)
 AttentionMaskInterface.register(SEGMENTS, segments_mask)
+
+# transformers looks for packed rows in the position ids of every forward without a mask, and its check reads a value
+# back from the device: on a GPU, a stall at the start of every micro-batch. Where litft's collate already found the
+# samples and the attention keeps them apart itself, the block-diagonal mask that check leads to is never built, so the
+# check is skipped (only inside ``packed_rows_known``; every other forward scans as transformers does).
+_PACKED = threading.local()
+_SCAN_POSITIONS = getattr(masking_utils, "find_packed_sequence_indices", None)
+
+
+def _scan_unless_known(position_ids):
+    return None if getattr(_PACKED, "known", False) else _SCAN_POSITIONS(position_ids)
+
+
+if _SCAN_POSITIONS is not None:
+    masking_utils.find_packed_sequence_indices = _scan_unless_known
+
+
+@contextlib.contextmanager
+def packed_rows_known():
+    """Forwards inside it give the attention the samples' bounds (litft_segments, flash_attention_2): no scan of the positions."""
+    previous, _PACKED.known = getattr(_PACKED, "known", False), True
+    try:
+        yield
+    finally:
+        _PACKED.known = previous
 
 
 def choose(requested: str, accelerator: str, precision: str = "bf16-mixed", context_parallel: int = 1) -> str:

@@ -122,7 +122,7 @@ class ExpertLoad:
             if index is None:
                 return
             experts = int(getattr(module, "num_experts", 0) or module.config.num_local_experts)
-            tokens = torch.bincount(index.reshape(-1).long(), minlength=experts)[:experts]
+            tokens = count_per_expert(index.reshape(-1), experts)
             if self.counts is None:
                 self.counts = torch.zeros(len(self.layers), experts, dtype=torch.float64, device=tokens.device)
             self.counts[position] += tokens
@@ -137,6 +137,15 @@ class ExpertLoad:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def count_per_expert(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Pairs routed to each of ``experts`` (int64, on the ids' device), into a buffer of fixed size: no device sync.
+
+    torch.bincount sizes its output from the largest id, which a GPU must read back to the host first.
+    """
+    ids = expert_ids.long()
+    return torch.zeros(experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def load_figures(counts: torch.Tensor, groups: int = 1) -> Dict[str, float]:

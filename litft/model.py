@@ -1,5 +1,6 @@
 """The module around a Hugging Face causal LM that litft trains, and how models and tokenizers are found."""
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Optional, Tuple
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from litft.attention import PACKED_SAFE, SEGMENTS
+from litft.attention import PACKED_SAFE, SEGMENTS, packed_rows_known
 from litft.config import ObjectiveArgs, TrainArgs
 from litft.data.base import targets_of
 from litft.errors import LitftError
@@ -194,7 +195,8 @@ class CausalLM(torch.nn.Module):
         extra = varlen if varlen is not None and implementation in PACKED_SAFE else {}
         if implementation != SEGMENTS:
             extra = {key: value for key, value in extra.items() if not key.startswith("litft_")}
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        with packed_rows_known() if extra else contextlib.nullcontext():
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         aux = getattr(out, "aux_loss", None)
         return out.logits if aux is None else (out.logits, aux)
 

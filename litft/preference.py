@@ -66,7 +66,7 @@ def preference_loss(objective: ObjectiveArgs, policy, lengths, reference, counte
     with torch.no_grad():
         pairs = float(len(losses)) if counted else 0.0
         figures = torch.stack([
-            torch.tensor(pairs, dtype=torch.float64, device=losses.device), rewards[:, 0].sum(), rewards[:, 1].sum(),
+            losses.new_full((), pairs, dtype=torch.float64), rewards[:, 0].sum(),  # a fill on the device: no host copy rewards[:, 1].sum(),
             (rewards[:, 0] > rewards[:, 1]).double().sum(), logps[:, 0].sum(), logps[:, 1].sum(),
         ])
     return losses.sum().float(), figures * float(counted)

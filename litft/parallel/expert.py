@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from litft.errors import LitftError
-from litft.experts import ADAPTERS, PROJECTIONS, SPLIT, expert_count, experts_modules, is_experts
+from litft.experts import ADAPTERS, PROJECTIONS, SPLIT, count_per_expert, expert_count, experts_modules, is_experts
 
 BIASES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
@@ -163,14 +163,17 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     expert_ids = top_k_index.reshape(-1)
     order = torch.argsort(expert_ids, stable=True)  # pairs by expert, so by the rank that holds it
     rows = hidden_states[order // top_k]
-    per_expert = torch.bincount(expert_ids, minlength=total)
+    per_expert = count_per_expert(expert_ids, total)
     if size > 1:
         arriving = torch.empty_like(per_expert)  # arriving[i * mine + e]: pairs rank i sends to this rank's expert e
         dist.all_to_all_single(arriving, per_expert, group=group)
         by_source = arriving.view(size, mine)
-        send, receive = per_expert.view(size, mine).sum(1).tolist(), by_source.sum(1).tolist()
+        # The one read back to the host per layer: all_to_all_single takes its split sizes as host integers (torchtitan
+        # reads them the same way); both directions come back in one copy.
+        sizes = torch.cat([per_expert.view(size, mine).sum(1), by_source.sum(1)]).tolist()
+        send, receive = sizes[:size], sizes[size:]
         rows = _AllToAll.apply(rows, send, receive, group)
-        local_ids = torch.repeat_interleave(torch.arange(mine, device=rows.device).repeat(size), arriving)
+        local_ids = torch.repeat_interleave(torch.arange(mine, device=rows.device).repeat(size), arriving, output_size=sum(receive))
         regroup = torch.argsort(local_ids, stable=True)  # arrived by source rank, each sorted by expert: now by expert
         out = _run_experts(self, rows[regroup], by_source.sum(0), place * mine, 1.0 / size)
         out = _AllToAll.apply(out[_inverse(regroup)], receive, send, group)
@@ -185,7 +188,8 @@ def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor, first: int, fac
     from transformers.integrations.moe import _grouped_linear
 
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    row_experts = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts) if self.has_bias else None
+    row_experts = (torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts, output_size=rows.shape[0])
+                   if self.has_bias else None)
     adapters = dict(getattr(self, ADAPTERS, []))
 
     def project(name: str, x: torch.Tensor) -> torch.Tensor:

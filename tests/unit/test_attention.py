@@ -219,11 +219,12 @@ def test_liger_kernels_train_as_the_models_own(tiny_dir):
 class HostReads(torch.overrides.TorchFunctionMode):
     """Counts what would wait for a GPU inside the decoder layers: a value read back to the host, or a shape that needs one."""
 
-    READS = {"item", "tolist", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy", "nonzero", "masked_select", "unique"}
+    READS = {"item", "tolist", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy", "nonzero", "masked_select", "unique",
+             "bincount"}  # bincount sizes its output from the largest id, read back first
 
-    def __init__(self, layers):
+    def __init__(self, layers=(), everywhere: bool = False):
         super().__init__()
-        self.depth, self.paused, self.reads = 0, False, []
+        self.depth, self.paused, self.reads = int(everywhere), False, []
         for layer in layers:
             layer.register_forward_pre_hook(lambda *_: setattr(self, "depth", self.depth + 1))
             layer.register_forward_hook(lambda *_: setattr(self, "depth", self.depth - 1))
@@ -234,7 +235,10 @@ class HostReads(torch.overrides.TorchFunctionMode):
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if isinstance(args[1], tuple) else (args[1],))
         )
         to_host = name == "to" and "cpu" in [a for a in args[1:] if isinstance(a, str)]
-        if self.depth and not self.paused and (name in self.READS or boolean_index or to_host):
+        # Repeats given as a tensor size the output from their sum, unless output_size says it.
+        sized_by_device = name == "repeat_interleave" and isinstance(args[1] if len(args) > 1 else (kwargs or {}).get("repeats"), torch.Tensor) \
+            and (kwargs or {}).get("output_size") is None
+        if self.depth and not self.paused and (name in self.READS or boolean_index or to_host or sized_by_device):
             self.reads.append(name)
         return func(*args, **(kwargs or {}))
 
@@ -275,3 +279,46 @@ def test_no_host_reads_inside_the_decoder_layers(tiny_dir, path, lengths):
         assert fallback.reads
     finally:
         attention.use_varlen_kernel(previous)
+
+
+@pytest.mark.parametrize("run", ["dense", "moe", "lora on experts", "preference"])
+def test_no_host_reads_in_a_training_step_of_moe_lora_experts_and_preference(run, tokenizer):
+    """A whole micro-batch (forward, the router's load counter, the loss, backward) reads nothing back: MoE experts counted
+    into fixed-size buffers, grouped matmuls given their sizes, preference figures filled on the device. (Expert parallel
+    reads its all-to-all's split sizes once per MoE layer: torch takes them as host integers.)"""
+    from litft.build import build_model
+    from litft.config import LoraArgs, ObjectiveArgs
+    from litft.data.preference import TinyPreferences
+    from litft.experts import ExpertLoad
+    from litft.model import load_config
+    from litft.tiny import TINY_MOE_NAME, ensure_tiny_model
+    from litft.weights import skeleton
+
+    moe = run in ("moe", "lora on experts")
+    folder = ensure_tiny_model(TINY_MOE_NAME) if moe else ensure_tiny_model()
+    lora = LoraArgs(r=4, dropout=0.0, target_modules=["gate_up_proj", "down_proj", "q_proj"]) if run == "lora on experts" else None
+    model = build_model(load_config(str(folder)), "32-true", lora, False, attention=SEGMENTS,
+                        structure=lambda config, dtype: skeleton(config, dtype).to_empty(device="cpu"))
+    for param in model.parameters():
+        torch.nn.init.normal_(param, std=0.02) if param.dim() > 1 else torch.nn.init.ones_(param)
+    objective = ObjectiveArgs(name="simpo") if run == "preference" else None
+    lm = CausalLM(model, TrainArgs(), objective=objective).train()
+    load = ExpertLoad.of(lm.hf_model)
+    assert (load is not None) == moe
+    if run == "dense":
+        batch = collate(samples([9, 7, 8]), pad_id=0, padding_free=True)
+        with HostReads(everywhere=True) as counter:
+            lm.loss_sum(batch).backward()
+        assert counter.reads == [], counter.reads
+        return
+    if run == "preference":
+        batch = collate(TinyPreferences(num_train=4, num_val=0).tokenize(tokenizer, seed=1).train[:2], tokenizer.pad_token_id, padding_free=True)
+    else:
+        batch = collate(samples([9, 7, 8]), pad_id=0, padding_free=True)
+    with HostReads(everywhere=True) as counter:
+        lm.loss_sum(batch).backward()
+        figures = lm.take_preference_figures() if run == "preference" else load.take()
+    assert counter.reads == [], counter.reads
+    assert figures is not None and torch.isfinite(figures).all()
+    if lora is not None:
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in lm.named_parameters() if "experts" in n and "lora_" in n)
