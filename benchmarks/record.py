@@ -1,28 +1,34 @@
 """The figures litft must not lose, measured the way a user's machine sees them, and appended to a history in the repo.
 
-    python benchmarks/record.py                         # every figure (about 10 minutes on 2 CPU cores)
-    python benchmarks/record.py --figures zero3_lora_peak fsdp_accumulation
+    python benchmarks/record.py                         # the CPU figures (about 25 minutes on 2 CPU cores)
+    python benchmarks/record.py --figures zero3_lora_peak_defaults fsdp_accumulation
     python benchmarks/record.py --suite_seconds 1712    # also record a suite time measured elsewhere
+    python benchmarks/record.py --accelerator cuda      # the GPU figures (benchmarks/gpu_record.py), about 8 minutes
+    python benchmarks/record.py --accelerator cuda --dry   # the GPU plan checked on the CPU, under a minute
 
 Run it before a change to the loop, the strategies, attention, data or loading lands,
-and commit the lines it appends to ``benchmarks/history.jsonl`` (commit, date,
-machine, figure, value). Each figure is printed with its change since that
-figure's last entry, so a slip shows the day it happens. It is a benchmark, not
-a test: CI does not run it.
+and commit the lines it appends to ``benchmarks/history.jsonl``: commit, date,
+machine, device, torch, transformers and peft, figure, value. Each figure is
+printed with its change since that figure's last entry on the same device, so a
+slip shows the day it happens. It is a benchmark, not a test: CI does not run it.
 
-Figures (memory as a share of the model's fp32 bytes, speed as a ratio to HF
-Trainer run in the same invocation):
+CPU figures (memory as a share of the model's fp32 bytes, speed as a ratio to HF
+Trainer run in the same invocation, each ratio the mean of two runs: one run of the
+same commit moves by about 5%):
 
-- ``zero3_lora_peak``: ``litft finetune_lora`` under ZeRO-3 on 2 ranks, 32-true,
-  one step of a 0.97 GB random Llama (20 layers, hidden 1024, MLP 2816): the
-  largest rank's peak anonymous memory above the same run on a tiny model. No
-  rank should ever hold the whole model (goal <= 0.8).
+- ``zero3_lora_peak_defaults``: ``litft finetune_lora`` at its default flags (dropout
+  0.05) under ZeRO-3 on 2 ranks, 32-true, one step of a 0.97 GB random Llama (20
+  layers, hidden 1024, MLP 2816): the largest rank's peak anonymous memory above the
+  same run on a tiny model. No rank should ever hold the whole model (goal <= 0.8).
 - ``fsdp_accumulation``: ``litft finetune_full`` under FSDP FULL_SHARD on 2 ranks,
   micro-batch 1, 2 steps of the same model, global batch 8 against 2: what
   accumulating 4 micro-batches adds to the largest rank's peak (goal < 0.25).
-- ``lora_vs_trainer`` and ``full_vs_trainer``: chat SFT of SmolLM2-135M-Instruct,
-  12 steps, 2 threads, litft's tokens/s over Trainer's on the same samples and
-  batches (``benchmarks/vs_hf_trainer.py``; goal >= 1.3).
+- ``lora_vs_trainer`` and ``full_vs_trainer`` (micro-batch 4, global 8) and
+  ``lora_vs_trainer_mb8`` and ``full_vs_trainer_mb8`` (micro-batch 8, global 16):
+  chat SFT of SmolLM2-135M-Instruct, 12 steps, 2 threads, litft's tokens/s over
+  Trainer's on the same samples and batches (``benchmarks/vs_hf_trainer.py``; goal
+  >= 1.3); ``*_memory_vs_trainer*``: litft's peak resident memory over Trainer's
+  (goal <= 1.0).
 
 Peaks are each process's anonymous resident memory (``RssAnon``), sampled every
 10 ms over the whole process tree the command starts: loading, every step,
@@ -42,12 +48,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 HISTORY = ROOT / "benchmarks" / "history.jsonl"
-GOALS = {"zero3_lora_peak": ("<=", 0.8), "fsdp_accumulation": ("<", 0.25), "lora_vs_trainer": (">=", 1.3), "full_vs_trainer": (">=", 1.3),
+GOALS = {"zero3_lora_peak": ("<=", 0.8), "zero3_lora_peak_defaults": ("<=", 0.8), "fsdp_accumulation": ("<", 0.25),
          "suite_seconds": ("<", 1800)}
+for _job in ("lora", "full"):
+    for _shape in ("", "_mb8"):
+        GOALS[f"{_job}_vs_trainer{_shape}"] = (">=", 1.3)
+        GOALS[f"{_job}_memory_vs_trainer{_shape}"] = ("<=", 1.0)
+SHAPES = {"": (4, 8), "_mb8": (8, 16)}  # figure suffix: (micro-batch, global batch); the second is the shape users reported
 BIG = dict(hidden=1024, layers=20, intermediate=2816)
 TINY = dict(hidden=128, layers=1, intermediate=384)
 
@@ -140,9 +151,9 @@ def litft_peak(job: str, folder: Path, out: Path, flags: List[str]) -> int:
     return run_peak([sys.executable, "-m", "litft", job, str(folder), *data, *flags], env)
 
 
-def zero3_lora_peak(work: Path) -> float:
+def zero3_lora_peak_defaults(work: Path) -> float:
     flags = ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2", "--train.global_batch_size", "2",
-             "--train.micro_batch_size", "1", "--train.max_steps", "1", "--lora_dropout", "0"]
+             "--train.micro_batch_size", "1", "--train.max_steps", "1"]
     big, tiny = llama_folder(work, **BIG), llama_folder(work, **TINY)
     grown = litft_peak("finetune_lora", big, work / "out", flags) - litft_peak("finetune_lora", tiny, work / "out", flags)
     return grown / model_bytes(big)
@@ -156,19 +167,27 @@ def fsdp_accumulation(work: Path) -> float:
     return (peaks[8] - peaks[2]) / model_bytes(big)
 
 
-def versus_trainer(work: Path) -> Dict[str, float]:
-    command = [sys.executable, str(ROOT / "benchmarks" / "vs_hf_trainer.py"), "--jobs", "lora,full", "--sides", "litft,trainer",
-               "--steps", "12", "--threads", "2", "--work_dir", str(work / "vs")]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"vs_hf_trainer.py exited {out.returncode}:\n{out.stderr[-3000:]}")
-    ratios = {}
-    for line in out.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            if row["side"] == "trainer":
-                ratios[f"{row['run']}_vs_trainer"] = row["litft_speed_over_this"]
-    return ratios
+def versus_trainer(work: Path, runs: int = 2) -> Dict[str, float]:
+    """Speed and memory over Trainer's at both batch shapes, each the mean of ``runs`` invocations (each run printed)."""
+    figures: Dict[str, List[float]] = {}
+    for shape, (micro, total) in SHAPES.items():
+        for run in range(runs):
+            command = [sys.executable, str(ROOT / "benchmarks" / "vs_hf_trainer.py"), "--jobs", "lora,full", "--sides", "litft,trainer",
+                       "--steps", "12", "--threads", "2", "--micro_batch", str(micro), "--global_batch", str(total), "--work_dir", str(work / "vs")]
+            out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"vs_hf_trainer.py exited {out.returncode}:\n{out.stderr[-3000:]}")
+            for row in json_rows(out.stdout):
+                if row["side"] == "trainer":
+                    figures.setdefault(f"{row['run']}_vs_trainer{shape}", []).append(row["litft_speed_over_this"])
+                    figures.setdefault(f"{row['run']}_memory_vs_trainer{shape}", []).append(row["litft_memory_over_this"])
+    for name, values in sorted(figures.items()):
+        print(f"  {name}: runs {', '.join(f'{v:.3f}' for v in values)}", flush=True)
+    return {name: sum(values) / len(values) for name, values in figures.items()}
+
+
+def json_rows(stdout: str) -> List[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
 def commit() -> str:
@@ -182,44 +201,73 @@ def machine() -> str:
            f"{platform.python_implementation()} {platform.python_version()}"
 
 
-def last_values() -> Dict[str, float]:
+def software() -> Dict[str, Optional[str]]:
+    """The device the figures ran on and the versions that decide them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    def installed(name: str) -> Optional[str]:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "torch": torch.__version__, "transformers": installed("transformers"), "peft": installed("peft")}
+
+
+def last_values(device: str, history: Path = HISTORY) -> Dict[str, float]:
+    """Each figure's last entry on this device (entries from before devices were named count as the CPU's)."""
     last = {}
-    if HISTORY.is_file():
-        for line in HISTORY.read_text().splitlines():
+    if history.is_file():
+        for line in history.read_text().splitlines():
             if line.strip():
                 entry = json.loads(line)
-                last[entry["figure"]] = entry["value"]
+                if entry.get("device", "cpu") == device:
+                    last[entry["figure"]] = entry["value"]
     return last
 
 
-def record(figures: Dict[str, float], history: Path = HISTORY) -> List[str]:
+def record(figures: Dict[str, float], history: Path = HISTORY, stamp: Optional[dict] = None) -> List[str]:
     """Append the figures to the history; one printed line each, with its change since its last entry and its goal."""
-    before = last_values() if history == HISTORY else {}
-    stamp = {"commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), "machine": machine()}
+    stamp = stamp or {"commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+                      "machine": machine(), **software()}
+    before = last_values(stamp["device"]) if history == HISTORY else {}
     lines = []
     with open(history, "a") as f:
         for figure, value in figures.items():
             f.write(json.dumps({**stamp, "figure": figure, "value": round(value, 4)}) + "\n")
             change = f"{value - before[figure]:+.3f} since the last entry ({before[figure]:.3f})" if figure in before else "first entry"
-            sign, goal = GOALS[figure]
-            met = {"<=": value <= goal, "<": value < goal, ">=": value >= goal}[sign]
-            lines.append(f"{figure:<20} {value:8.3f}   {change:<40} goal {sign} {goal}: {'met' if met else 'NOT MET'}")
+            goal = GOALS.get(figure)
+            verdict = "no goal" if goal is None else f"goal {goal[0]} {goal[1]}: " + (
+                "met" if {"<=": value <= goal[1], "<": value < goal[1], ">=": value >= goal[1]}[goal[0]] else "NOT MET")
+            lines.append(f"{figure:<32} {value:11.3f}   {change:<44} {verdict}")
     return lines
 
 
-MEASURES = {"zero3_lora_peak": zero3_lora_peak, "fsdp_accumulation": fsdp_accumulation}
+MEASURES = {"zero3_lora_peak_defaults": zero3_lora_peak_defaults, "fsdp_accumulation": fsdp_accumulation}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--figures", nargs="+", default=[*MEASURES, "vs_trainer"], choices=[*MEASURES, "vs_trainer"])
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--figures", nargs="+", default=None, help="CPU: zero3_lora_peak_defaults, fsdp_accumulation, vs_trainer; "
+                        "CUDA: the groups of benchmarks/gpu_record.py")
+    parser.add_argument("--dry", action="store_true", help="with --accelerator cuda: check the plan on the CPU (no GPU, nothing appended)")
     parser.add_argument("--suite_seconds", type=float, default=None, help="the test suite's time from a clean clone, measured elsewhere")
     parser.add_argument("--no_history", action="store_true", help="print only; append nothing")
     args = parser.parse_args()
+    if args.accelerator == "cuda":
+        from gpu_record import run_gpu_record
+
+        run_gpu_record(args.figures, dry=args.dry, history=Path(os.devnull) if args.no_history or args.dry else HISTORY)
+        return
+    chosen = args.figures or [*MEASURES, "vs_trainer"]
     work = Path(tempfile.mkdtemp(prefix="litft-record-"))
     figures: Dict[str, float] = {}
     try:
-        for name in args.figures:
+        for name in chosen:
             started = time.perf_counter()
             if name == "vs_trainer":
                 figures.update(versus_trainer(work))

@@ -12,9 +12,10 @@ process, one at a time, with the same number of torch threads:
   (DataCollatorForSeq2Seq padding, AdamW, no compile; peft for LoRA);
 - ``trainer-best``: Trainer with its padding-free DataCollatorWithFlattening and
   ``torch_compile`` (and Liger's kernels where they run: a GPU with liger-kernel);
-- ``litft-<change>``: litft with one of its speed changes undone, to show what each
-  gives: ``padded`` (padded batches, SDPA), ``plain-loss`` (the head and the loss
-  over every token), ``compiled`` (``--compile true``).
+- ``litft-<change>``: litft with one of its speed changes undone or one more made, to
+  show what each gives: ``padded`` (padded batches, SDPA), ``plain-loss`` (the head
+  and the loss over every token), ``compiled`` (``--compile true``), ``eager``
+  (``--compile false``), ``fp8`` (``--fp8 tensorwise``).
 
 Printed per side: real (unpadded) tokens/s over the steps after the first
 ``--skip`` (so loading and compilation are left out), and the process's peak
@@ -54,7 +55,7 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "BENCH-RESULT "
-SIDES = ("litft", "trainer", "trainer-best", "litft-padded", "litft-plain-loss", "litft-compiled")
+SIDES = ("litft", "trainer", "trainer-best", "litft-padded", "litft-plain-loss", "litft-compiled", "litft-eager", "litft-fp8")
 WORDS = "apple river stone cloud garden silver paper window forest candle bridge harbor meadow lantern orbit violet".split()
 
 
@@ -194,6 +195,10 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
         flags += ["--attn_implementation", "sdpa"]
     if change == "compiled":
         flags += ["--compile", "true"]
+    if change == "eager":
+        flags += ["--compile", "false"]
+    if change == "fp8":
+        flags += ["--fp8", "tensorwise"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     code, _, _, stderr = run_measured([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], work, env)
     if code != 0:
