@@ -80,7 +80,7 @@ def apply_lora(model, lora: LoraArgs):
 
     if not any(is_experts(module) for module in model.modules()):
         try:
-            return get_peft_model(model, peft_config(lora))
+            return keep_one_input_per_layer(get_peft_model(model, peft_config(lora)))
         except ValueError as err:
             raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
     # MoE experts stored as one 3-D tensor per layer take adapters through peft's ParamWrapper, which has no dropout:
@@ -97,4 +97,63 @@ def apply_lora(model, lora: LoraArgs):
         if isinstance(dropouts, torch.nn.ModuleDict) and type(module).__name__ != "ParamWrapper":
             for name in dropouts:
                 dropouts[name] = torch.nn.Dropout(p=lora.dropout)
+    return keep_one_input_per_layer(peft_model)
+
+
+class _DroppedInputMatmul(torch.autograd.Function):
+    """``linear(dropout(x), weight)`` that keeps ``x`` and a one-byte mask for the backward instead of the dropped copy.
+
+    peft keeps each adapter's dropped input until the backward: q, k and v (and the MLP's projections) each hold their
+    own copy of the layer's input, at the input's full width and dtype. Here they keep the input they share and a boolean
+    mask each. The mask is drawn as torch's dropout draws it (one bernoulli per element from the same generator), so a
+    run takes the same values as peft's; matmuls run in the dtype autocast chose in the forward, as autograd's would.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, p: float):
+        noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)  # what torch's dropout multiplies its input by
+        out = torch.nn.functional.linear(x * noise, weight)
+        ctx.save_for_backward(x, noise != 0, weight)
+        ctx.p, ctx.dtype = p, out.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, keep, weight = ctx.saved_tensors
+        noise = keep.to(x.dtype).div_(1 - ctx.p)
+        grad = grad.to(ctx.dtype)
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ weight.to(ctx.dtype)).to(x.dtype) * noise
+        if ctx.needs_input_grad[1]:
+            dropped = (x * noise).to(ctx.dtype)
+            grad_weight = (grad.reshape(-1, grad.shape[-1]).t() @ dropped.reshape(-1, x.shape[-1])).to(weight.dtype)
+        return grad_x, grad_weight, None
+
+
+class DroppedInputLinear(torch.nn.Linear):
+    """A LoRA A matrix that applies its adapter's dropout itself (``_DroppedInputMatmul``); the same weights and names as peft's."""
+
+    dropout_p: float = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.dropout_p > 0 and torch.is_grad_enabled() and self.bias is None:
+            return _DroppedInputMatmul.apply(x, self.weight, self.dropout_p)
+        return super().forward(x)
+
+
+def keep_one_input_per_layer(peft_model):
+    """Each adapter's dropout moved into its A matrix (``DroppedInputLinear``): in training, the adapters of a layer keep the
+    input they share and a mask each instead of a copy each (ZeRO-3 LoRA on a 0.97 GB Llama: 0.79 -> 0.72 of the model
+    per rank at the default dropout, as at none)."""
+    for module in peft_model.modules():
+        dropouts, a_matrices = getattr(module, "lora_dropout", None), getattr(module, "lora_A", None)
+        if not isinstance(dropouts, torch.nn.ModuleDict) or not isinstance(a_matrices, torch.nn.ModuleDict):
+            continue
+        for name, dropout in list(dropouts.items()):
+            a = a_matrices[name] if name in a_matrices else None
+            if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and type(a) is torch.nn.Linear and a.bias is None:
+                a.__class__ = DroppedInputLinear
+                a.dropout_p = dropout.p
+                dropouts[name] = torch.nn.Identity()
     return peft_model

@@ -2,6 +2,7 @@
 
 import inspect
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -65,3 +66,43 @@ def test_fsdp_keeps_one_dtype_where_torch_asks_it_of_every_parameter(monkeypatch
     assert fsdp.FSDP.frozen_base_dtype("bf16-mixed") is None
     monkeypatch.setattr(fsdp, "frozen_dtype_may_differ", lambda: True)
     assert fsdp.FSDP.frozen_base_dtype("bf16-mixed") == torch.bfloat16
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_adapter_dropout_keeps_a_mask_not_a_copy_and_trains_as_peft(tiny_dir, autocast):
+    """Each adapter's dropout inside its A matrix: the same loss and gradients as peft's own modules, bit for bit, from the
+    same generator state; what the backward keeps per adapter is a boolean mask beside the shared input."""
+    import copy
+
+    from peft import get_peft_model
+
+    from litft.config import LoraArgs
+    from litft.lora import DroppedInputLinear, keep_one_input_per_layer, peft_config
+    from litft.model import load_causal_lm
+
+    base = load_causal_lm(str(tiny_dir), random_init=False, dtype=torch.float32)
+    base.requires_grad_(False)
+    peft_model = get_peft_model(base, peft_config(LoraArgs(r=4, dropout=0.1)))
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    ours = keep_one_input_per_layer(copy.deepcopy(peft_model))
+    assert sum(isinstance(m, DroppedInputLinear) for m in ours.modules()) == 28  # 7 projections x 4 blocks
+    ids = torch.randint(5, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for model in (peft_model, ours):
+        model.train()
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (our_loss, our_grads) = results
+    assert torch.equal(loss, our_loss) and grads.keys() == our_grads.keys() and len(grads) == 56
+    for name, grad in grads.items():
+        assert torch.equal(grad, our_grads[name]), name
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.dtype) or t, lambda t: t):
+        layer = next(m for m in ours.modules() if isinstance(m, DroppedInputLinear))
+        layer(torch.randn(3, layer.in_features, requires_grad=True)).sum().backward()
+    assert torch.bool in kept and kept.count(torch.float32) == 2  # the input and the weight, no dropped copy
