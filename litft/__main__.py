@@ -111,9 +111,10 @@ def bare_booleans(argv: List[str], commands: dict) -> List[str]:
 
 def nearest_flag(parser, unknown: str) -> Optional[str]:
     """The known flag closest in spelling to ``unknown`` (``--devcies`` -> ``--devices``), if any is close."""
-    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
-    found = difflib.get_close_matches(unknown.split("=")[0], known, n=1, cutoff=0.6)
-    return found[0] if found else None
+    known = [o[2:] for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    # Compared without the dashes, which every flag shares (--foo is not near --fp8).
+    found = difflib.get_close_matches(unknown.split("=")[0].lstrip("-"), known, n=1, cutoff=0.6)
+    return "--" + found[0] if found else None
 
 
 class OneLineErrors(ArgumentParser):

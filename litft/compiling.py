@@ -19,7 +19,6 @@ CUDA only.
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 
 from litft.errors import LitftError
 

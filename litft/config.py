@@ -303,17 +303,8 @@ class Layout:
     def world_size(self) -> int:
         return self.devices * self.num_nodes
 
-    @property
-    def data_world(self) -> int:
-        """Ranks that take different samples: a context- or tensor-parallel group takes the same ones."""
-        return self.world_size // (self.context_parallel * self.tensor_parallel)
-
-    def accumulation(self, train: TrainArgs) -> int:
-        """Micro-batches each rank runs per optimizer step."""
-        return train.global_batch_size // (train.micro_batch_size * self.data_world)
-
     def check(self) -> None:
-        """What holds for every strategy; the chosen strategy checks the rest (``strategies.checked_strategy_class``)."""
+        """The flags' own ranges; the mesh (litft.parallel.mesh) and the chosen strategy check the rest (``strategies.checked_strategy_class``)."""
         at_least(self.devices, 1, "--devices")
         at_least(self.num_nodes, 1, "--num_nodes")
         at_least(self.fsdp.shard_size, 1, "--fsdp.shard_size", "for one node")
@@ -324,21 +315,6 @@ class Layout:
         at_least(self.expert_parallel, 1, "--expert_parallel")
         if self.expert_parallel > 1 and self.tensor_parallel > 1:
             raise LitftError("--expert_parallel and --tensor_parallel together are not supported yet; choose one of them")
-        if self.devices % self.expert_parallel:
-            raise LitftError(
-                f"--expert_parallel {self.expert_parallel} must divide --devices {self.devices}: experts are dealt out over ranks of one node "
-                "(tokens cross between them by all-to-all in every MoE layer); choose a divisor of --devices"
-            )
-        if self.devices % self.tensor_parallel:
-            raise LitftError(
-                f"--tensor_parallel {self.tensor_parallel} must divide --devices {self.devices}: a block is split over ranks of one node "
-                "(it all-reduces twice per block); choose a divisor of --devices"
-            )
-        if self.devices % self.context_parallel:
-            raise LitftError(
-                f"--context_parallel {self.context_parallel} must divide --devices {self.devices}: a sequence is split over ranks of one node "
-                "(its all-to-all runs at every layer); choose a divisor of --devices"
-            )
         if self.strategy not in STRATEGY_NAMES:
             raise LitftError(f"--strategy {self.strategy} is unknown; choose one of {', '.join(STRATEGY_NAMES)}")
 

@@ -7,12 +7,12 @@ import torch
 
 from litft.data.base import PreparedData, Prompted, collate, eval_batches
 from litft.model import target_tokens
-from litft.parallel.context import ContextSplit
+from litft.parallel.mesh import DataPlace
 
 
 @torch.no_grad()
 def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batches: Optional[int], pad_id: int, padding_free: bool,
-             context: ContextSplit) -> float:
+             context: DataPlace) -> float:
     """Token-mean loss over the validation set, every sample counted once across ranks (each rank of a context group its slice)."""
     module.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=fabric.device)

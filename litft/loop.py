@@ -85,7 +85,7 @@ def fit(trainer) -> LoopState:
 
 def next_batch(trainer) -> Optional[StepBatch]:
     """This rank's micro-batches of the next step and the global counts; None when every rank stops instead."""
-    fabric, state = trainer.fabric, trainer.state
+    state = trainer.state
     trainer.watch.at(state.step + 1, "training")
     state.epoch, state.epoch_step = trainer.batches.position(state.epoch, state.epoch_step)  # the next epoch, past the end of one
     micro = trainer.batches.get(state.epoch, state.epoch_step)  # this rank's slices, under context parallel
@@ -100,7 +100,7 @@ def next_batch(trainer) -> Optional[StepBatch]:
          float(reason is not None), flops],
         dtype=torch.float64, device=trainer.strategy.host_device,
     )
-    targets, tokens, samples, stopping, flops = fabric.all_reduce(counts, reduce_op="sum").tolist()
+    targets, tokens, samples, stopping, flops = trainer.strategy.sum_counts(counts).tolist()
     # Each rank counts the targets of its own slice (all of them in a tensor-parallel group: loss and count alike, which the
     # scale and the logged mean divide out); tokens, samples and FLOPs once for every rank of a group.
     shared = trainer.context.shared

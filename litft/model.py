@@ -229,8 +229,9 @@ class CausalLM(torch.nn.Module):
         pairs = len(batch["ids"])
         token_logps, aux = self.token_log_probs(batch)
         sums, counts = sequence_sums(token_logps, batch["targets"]["sequence"], pairs)
-        if MARK in (batch.get("varlen") or {}):  # each rank of a context group holds a slice of every sequence
-            sums, counts = group_sum(sums), group_sum(counts.detach())
+        group = (batch.get("varlen") or {}).get(MARK)
+        if group is not None:  # each rank of a context group holds a slice of every sequence
+            sums, counts = group_sum(sums, group), group_sum(counts.detach(), group)
         return sums, counts, aux
 
     def reference_log_probs(self, batch: dict) -> torch.Tensor:

@@ -65,8 +65,8 @@ def preference_loss(objective: ObjectiveArgs, policy, lengths, reference, counte
     losses, rewards, logps = pair_losses(objective, policy.double(), lengths.double(), None if reference is None else reference.double())
     with torch.no_grad():
         pairs = float(len(losses)) if counted else 0.0
-        figures = torch.stack([
-            losses.new_full((), pairs, dtype=torch.float64), rewards[:, 0].sum(),  # a fill on the device: no host copy rewards[:, 1].sum(),
+        figures = torch.stack([  # the pair count filled on the device: no host copy
+            losses.new_full((), pairs, dtype=torch.float64), rewards[:, 0].sum(), rewards[:, 1].sum(),
             (rewards[:, 0] > rewards[:, 1]).double().sum(), logps[:, 0].sum(), logps[:, 1].sum(),
         ])
     return losses.sum().float(), figures * float(counted)

@@ -17,6 +17,7 @@ from litft.data.base import DataModule, data_config
 from litft.data.preference import PreferenceData, TinyPreferences
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
+from litft.parallel.mesh import Mesh, layout_data_world
 
 
 @dataclass
@@ -77,10 +78,12 @@ class RunSpec:
         A global batch left out is derived from the world size; the line saying so is returned.
         """
         self.layout.check()  # the world size comes first: the batch checks divide by it
+        Mesh.check_groups_fit_nodes(self.layout)
         if self.train.micro_batch_size < 1:
             raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
-        self.train, note = self.train.resolved(self.layout.data_world)
-        self.train.check(self.layout.data_world)
+        data_world = layout_data_world(self.layout)
+        self.train, note = self.train.resolved(data_world)
+        self.train.check(data_world)
         self.eval.check(instruction_data=hasattr(self.data, "prompted") or isinstance(self.data, PreferenceData))  # prompts with answers
         self.data.check()
         if getattr(self.data, "streaming", False) and self.train.max_steps is None:

@@ -27,7 +27,9 @@ from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.checkpoint.format import RUN_CONFIG
 from litft.compiling import CompileChoice, CompileStats
 from litft.compiling import choose as choose_compile
-from litft.cluster import apply_launcher_env, check_shared_out_dir, join_torchrun_group, launcher, leave_process_group, preflight, restarted
+from litft.cluster import (
+    apply_launcher_env, check_shared_out_dir, join_torchrun_group, launcher, leave_process_group, preflight, process_group_timeout, restarted,
+)
 from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
 from litft.data.stream import StreamSource
 from litft.device import compute_dtype, cuda_allocator_defaults, map_large_host_allocations, param_dtype, resolve_accelerator, resolve_precision
@@ -41,7 +43,7 @@ from litft.logs import close_loggers, continue_logs, log_config, make_loggers, q
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
 from litft.model import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
-from litft.parallel.context import check_heads, join_context_groups
+from litft.parallel.context import check_heads
 from litft.parallel.expert import check_model as check_experts
 from litft.parallel.mesh import Mesh
 from litft.parallel.strategies import checked_strategy_class
@@ -74,7 +76,7 @@ class Trainer:
         self.spec, self.fabric, self.strategy, self.precision, self.attention = spec, fabric, strategy, precision, attention
         self.compiling = compiling
         self.state = LoopState()
-        self.context = Mesh.of(spec.layout).context_split(fabric.global_rank)
+        self.context = strategy.mesh.place(fabric.global_rank)  # which samples this rank takes, and its slice of them
         self.stops = StopRequests()
         self.watch = PeerWatch.idle()
 
@@ -108,13 +110,17 @@ class Trainer:
             check_experts(load_config(resolve_model(spec.model)), layout.expert_parallel)
         if layout.tensor_parallel > 1:
             check_model(load_config(resolve_model(spec.model)), layout.tensor_parallel, spec.lora.quantize if spec.lora else None)
-        strategy = chosen(layout, accelerator, precision, spec.train)
+        strategy = chosen(layout, accelerator, precision, spec.train, Mesh.of(layout, chosen))
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
             precision=precision, loggers=make_loggers(spec.out_dir, spec.loggers), plugins=plugins,
         )
         join_torchrun_group(strategy.backend, accelerator)
         fabric.launch()
+        # Every device mesh and process group of the run, once (FSDP's were made as Fabric set it up); counts reduce on the CPU.
+        strategy.mesh.build(fabric.device.type, process_group_timeout(), host_group="gloo" not in strategy.backend)
+        if fabric.world_size > 1:
+            fabric.print(f"strategy: {strategy.name} over {fabric.world_size} processes; {strategy.mesh.describe()}")
         if accelerator == "cpu" and strategy.gathers_weights:
             # Host memory is the device's: gathered weights must leave it when dropped. Elsewhere glibc's reuse of freed
             # heap is kept (mapping every large tensor afresh costs one run in ten on the CPU: benchmarks/record.py).
@@ -163,7 +169,6 @@ class Trainer:
         )
         if spec.fp8 is not None:
             fabric.print(describe_fp8(spec.fp8, self.lm.model.fp8_layers, self.lm.hf_model))
-        join_context_groups(self.context, fabric.world_size)
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
         keep_rotary_fp32(self.lm)
         experts = describe_experts(self.lm.hf_model, fabric.device.type, compute_dtype(self.precision))

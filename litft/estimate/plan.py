@@ -14,6 +14,7 @@ from litft.flops import flops_per_token, model_shape
 from litft.logs import quiet_libraries
 from litft.memory import GiB, Row
 from litft.model import check_architecture, load_config, resolve_model
+from litft.parallel.mesh import layout_data_world
 from litft.parallel.context import check_heads
 from litft.parallel.expert import check_model as check_experts, is_expert_tensor
 from litft.parallel.strategies import checked_strategy_class
@@ -59,8 +60,8 @@ def checked_run(flags: dict, precision: str):
         lora.check()
     train: TrainArgs = flags["train"]
     # Accumulation does not change memory: one micro-batch per rank and step stands for any global batch.
-    one_step = replace(train, global_batch_size=max(train.micro_batch_size, 1) * max(layout.data_world, 1))
-    one_step.check(max(layout.data_world, 1))
+    one_step = replace(train, global_batch_size=max(train.micro_batch_size, 1) * max(layout_data_world(layout), 1))
+    one_step.check(max(layout_data_world(layout), 1))
     strategy = checked_strategy_class(layout, "cuda", precision)
     return layout, lora, one_step, strategy
 

@@ -16,47 +16,16 @@ sum over its samples, so the step is the one a single process takes.
 """
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from litft.cluster import process_group_timeout
 from litft.data.base import IGNORE_INDEX, cumulative_lengths
 from litft.errors import LitftError
 
-MARK = "litft_context"  # the varlen key that tells attention this batch is split (generation's batches are not)
-_group: Optional[dist.ProcessGroup] = None  # this rank's context group, made once per process by ``join_context_groups``
-
-
-@dataclass(frozen=True)
-class ContextSplit:
-    """Where this rank sits: its context group's size, its place in the group and the data-parallel rank it shares.
-
-    ``tensor``: the ranks of a tensor-parallel group (litft.parallel.tensor), which take the same samples whole.
-    """
-
-    size: int = 1
-    place: int = 0
-    data_rank: int = 0
-    data_world: int = 1
-    tensor: int = 1
-
-    @classmethod
-    def of(cls, global_rank: int, world_size: int, size: int, tensor: int = 1) -> "ContextSplit":
-        shared = size * tensor
-        return cls(size, (global_rank // tensor) % size, global_rank // shared, world_size // shared, tensor)
-
-    @property
-    def shared(self) -> int:
-        """Ranks that take the same samples: a context group, or a tensor-parallel group."""
-        return self.size * self.tensor
-
-    def split(self, batch: dict) -> dict:
-        """This rank's slice of a collated micro-batch; the whole rows' boundaries stay, for attention."""
-        return batch if self.size == 1 else slice_batch(batch, self.place, self.size)
+MARK = "litft_context"  # the varlen key that carries the context group to attention (generation's batches have none)
 
 
 def check_heads(config, size: int) -> None:
@@ -77,19 +46,7 @@ def check_heads(config, size: int) -> None:
                              f"{per_head[0]} is not dealt with them yet; drop --context_parallel")
 
 
-def join_context_groups(split: ContextSplit, world_size: int) -> None:
-    """Make the context groups: every rank takes part in making each one, and keeps its own."""
-    global _group
-    if split.size == 1:
-        _group = None
-        return
-    for first in range(0, world_size, split.size):
-        group = dist.new_group(list(range(first, first + split.size)), timeout=process_group_timeout())
-        if first == split.data_rank * split.size:
-            _group = group
-
-
-def slice_batch(batch: dict, place: int, size: int) -> dict:
+def slice_batch(batch: dict, place: int, size: int, group=None) -> dict:
     """Rows padded to a multiple of ``size`` (padding counts on from the last sample and carries no loss), then cut.
 
     The targets are collate's, found on the whole rows, so a slice's last token still predicts the first token of the next
@@ -112,7 +69,7 @@ def slice_batch(batch: dict, place: int, size: int) -> dict:
         **batch,
         "input_ids": input_ids[:, mine_only].contiguous(), "position_ids": position_ids[:, mine_only].contiguous(),
         "labels": labels[:, mine_only].contiguous(),
-        "varlen": {**cumulative_lengths(position_ids), MARK: size},
+        "varlen": {**cumulative_lengths(position_ids), MARK: group if group is not None else size},
         "targets": {
             **{key: value[mine] for key, value in targets.items()},  # the labels, and each target's sequence for preference pairs
             "index": row[mine] * part + column[mine] - start,
@@ -121,60 +78,62 @@ def slice_batch(batch: dict, place: int, size: int) -> dict:
     }
 
 
-def group_sum(tensor: torch.Tensor) -> torch.Tensor:
+def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
     """The sum of ``tensor`` over this rank's context group, with its gradient: per-sequence sums of slices become whole."""
-    return _GroupSum.apply(tensor)
+    return _GroupSum.apply(tensor, group)
 
 
 class _GroupSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor):
+    def forward(ctx, tensor, group):
+        ctx.group = group
         out = tensor.clone()
-        dist.all_reduce(out, group=_group)
+        dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=_group)
-        return grad
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
-def _exchange(tensor: torch.Tensor, scatter: int, gather: int) -> torch.Tensor:
+def _swap_heads_and_tokens(tensor: torch.Tensor, scatter: int, gather: int, group) -> torch.Tensor:
     """Chunk ``i`` of dimension ``scatter`` goes to the group's rank ``i``; what rank ``i`` sends lands as chunk ``i`` of ``gather``."""
-    size = dist.get_world_size(_group)
+    size = dist.get_world_size(group)
     if tensor.shape[scatter] % size:
         raise LitftError(f"context parallel: {tensor.shape[scatter]} heads or tokens cannot be dealt out over {size} ranks")
     outgoing = torch.stack(tensor.chunk(size, dim=scatter)).contiguous()
     incoming = torch.empty_like(outgoing)
-    dist.all_to_all_single(incoming, outgoing, group=_group)
+    dist.all_to_all_single(incoming, outgoing, group=group)
     return torch.cat(incoming.unbind(0), dim=gather)
 
 
-class _Exchange(torch.autograd.Function):
+class _SwapHeadsAndTokens(torch.autograd.Function):
     """The all-to-all with its gradient: the same exchange with the two dimensions swapped."""
 
     @staticmethod
-    def forward(ctx, tensor, scatter: int, gather: int):
-        ctx.dims = (scatter, gather)
-        return _exchange(tensor, scatter, gather)
+    def forward(ctx, tensor, scatter: int, gather: int, group):
+        ctx.dims, ctx.group = (scatter, gather), group
+        return _swap_heads_and_tokens(tensor, scatter, gather, group)
 
     @staticmethod
     def backward(ctx, grad):
         scatter, gather = ctx.dims
-        return _exchange(grad.contiguous(), gather, scatter), None, None
+        return _swap_heads_and_tokens(grad.contiguous(), gather, scatter, ctx.group), None, None, None
 
 
 def attend_whole_rows(attend: Callable, query, key, value, **kwargs):
     """``attend`` (q (B, H, S, D), k and v (B, KV, S, D) -> (B, S, H, D)) on whole rows from this rank's slice of them."""
-    if _group is None:
-        raise LitftError("a context-parallel batch reached attention in a process without context groups")
-    size = dist.get_world_size(_group)
+    group = kwargs.get(MARK)
+    if not isinstance(group, dist.ProcessGroup):
+        raise LitftError("a context-parallel batch reached attention without its context group (litft.parallel.mesh builds it)")
+    size = dist.get_world_size(group)
     # K/V heads the group cannot share evenly are copied (each in place, so query head chunk j still meets its K/V in
     # chunk j), as few times as makes them divide: N / gcd(KV, N), which divides H / KV since N divides H.
     copies = size // math.gcd(key.shape[1], size)
     if copies > 1:
         key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
-    query, key, value = (_Exchange.apply(t, 1, 2) for t in (query, key, value))  # (B, heads / N, whole rows, D)
+    query, key, value = (_SwapHeadsAndTokens.apply(t, 1, 2, group) for t in (query, key, value))  # (B, heads / N, whole rows, D)
     out = attend(query, key, value, **kwargs)  # (B, whole rows, heads / N, D)
-    return _Exchange.apply(out, 1, 2)  # (B, this slice, heads, D)
+    return _SwapHeadsAndTokens.apply(out, 1, 2, group)  # (B, this slice, heads, D)

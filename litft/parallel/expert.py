@@ -130,15 +130,15 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, send: List[int], receive: List[int], group):
         ctx.plan = (send, receive, group)
-        return _exchange(rows, send, receive, group)
+        return _send_rows(rows, send, receive, group)
 
     @staticmethod
     def backward(ctx, grad):
         send, receive, group = ctx.plan
-        return _exchange(grad, receive, send, group), None, None, None
+        return _send_rows(grad, receive, send, group), None, None, None
 
 
-def _exchange(rows: torch.Tensor, send: List[int], receive: List[int], group) -> torch.Tensor:
+def _send_rows(rows: torch.Tensor, send: List[int], receive: List[int], group) -> torch.Tensor:
     out = rows.new_empty((sum(receive), *rows.shape[1:]))
     dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=receive, input_split_sizes=send, group=group)
     return out

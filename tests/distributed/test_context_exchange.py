@@ -17,6 +17,7 @@ def whole_rows_and_slices(rank: int, store_path: str) -> None:
     from litft.attention import _attend_in_samples, segments_attention
     from litft.data.base import cumulative_lengths
     from litft.parallel import context as context_parallel
+    from litft.parallel.mesh import Mesh
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     width = sum(LENGTHS)
@@ -31,12 +32,11 @@ def whole_rows_and_slices(rank: int, store_path: str) -> None:
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
         expected = _attend_in_samples(module, *whole, None, **varlen, sliding_window=window)[0]
         (expected * weight).sum().backward()
-        split = context_parallel.ContextSplit.of(rank, WORLD, size)
-        context_parallel.join_context_groups(split, WORLD)
+        split = Mesh(1, WORLD, context=size).build("cpu").place(rank)
         part = width // size
         mine = slice(split.place * part, (split.place + 1) * part)
         sliced = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-        got = segments_attention(module, *sliced, None, **varlen, sliding_window=window, **{context_parallel.MARK: size})[0]
+        got = segments_attention(module, *sliced, None, **varlen, sliding_window=window, **{context_parallel.MARK: split.group})[0]
         (got * weight[:, mine]).sum().backward()
         torch.testing.assert_close(got, expected[:, mine], rtol=1e-5, atol=1e-6, msg=f"output, group of {size}, window {window}")
         for name, ours, reference in zip("qkv", sliced, whole):

@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from litft.data.base import IGNORE_INDEX, collate
-from litft.parallel.context import MARK, ContextSplit, slice_batch
+from litft.config import DeepSpeedArgs, FSDPArgs, Layout
+from litft.parallel.context import MARK, slice_batch
+from litft.parallel.mesh import DataPlace, Mesh
+from litft.parallel.strategies import DDP, FSDP
 
 
 def sample(length, prompt, seed):
@@ -41,6 +44,8 @@ def test_slices_make_up_the_batch(padding_free, size):
 
 def test_one_rank_groups_leave_the_batch_alone():
     batch = collate([sample(5, 1, 0)], pad_id=0)
-    split = ContextSplit.of(global_rank=3, world_size=4, size=1)
-    assert split.split(batch) is batch and (split.data_rank, split.data_world) == (3, 4)
-    assert ContextSplit.of(global_rank=3, world_size=4, size=2) == ContextSplit(size=2, place=1, data_rank=1, data_world=2)
+    ddp = Mesh.of(Layout("ddp", 4, 1, FSDPArgs(), DeepSpeedArgs()), DDP)
+    place = ddp.place(3)
+    assert place.split(batch) is batch and (place.data_rank, place.data_world) == (3, 4) and ddp.describe() == "mesh: replicate 4"
+    cp = Mesh.of(Layout("fsdp", 4, 1, FSDPArgs(), DeepSpeedArgs(), context_parallel=2), FSDP)
+    assert cp.place(3) == DataPlace(context=2, place=1, data_rank=1, data_world=2) and cp.data_world == 2

@@ -19,6 +19,7 @@ from litft.errors import LitftError
 from litft.loss import TargetLogProbs, fuse_target_loss
 from litft.model import CausalLM, target_tokens
 from litft.parallel.context import slice_batch
+from litft.preference import figures_of
 
 PAIRS = 6
 
@@ -57,8 +58,23 @@ def split_pair(sample):
     return ids[:prompt_len], ids[prompt_len:start], ids[start + prompt_len :]
 
 
+def independent_figures(objective, pc, pr, rc, rr, nc, nr):
+    """What the log shows for one pair (TRL's conventions): each response's implicit reward, and the log-probs compared.
+
+    DPO: beta times the summed log-prob's gain over the reference; IPO the same per token; SimPO and ORPO, which have no
+    reference, beta times the mean log-prob. The log-probs are the summed ones for DPO, the per-token means otherwise.
+    """
+    beta = objective.strength
+    if objective.name == "dpo":
+        return beta * (pc - rc), beta * (pr - rr), pc, pr
+    if objective.name == "ipo":
+        return beta * (pc - rc) / nc, beta * (pr - rr) / nr, pc / nc, pr / nr
+    return beta * pc / nc, beta * pr / nr, pc / nc, pr / nr
+
+
 def independent_mean(objective, policy, reference, pairs):
-    losses = []
+    """The mean loss over the pairs, and the mean of each logged figure."""
+    losses, figures = [], []
     for sample in pairs:
         prompt, chosen, rejected = split_pair(sample)
         pc, nc = response_log_prob(policy, prompt, chosen)
@@ -70,7 +86,11 @@ def independent_mean(objective, policy, reference, pairs):
         else:
             rc = rr = None
         losses.append(independent_loss(objective, pc, pr, rc, rr, nc, nr))
-    return torch.stack(losses).mean()
+        with torch.no_grad():
+            chosen_reward, rejected_reward, logp_chosen, logp_rejected = (float(v) for v in independent_figures(objective, pc, pr, rc, rr, nc, nr))
+        figures.append({"reward_chosen": chosen_reward, "reward_rejected": rejected_reward, "reward_margin": chosen_reward - rejected_reward,
+                        "preference_accuracy": float(chosen_reward > rejected_reward), "logp_chosen": logp_chosen, "logp_rejected": logp_rejected})
+    return torch.stack(losses).mean(), {key: sum(f[key] for f in figures) / len(figures) for key in figures[0]}
 
 
 def models(tiny_dir, lora: bool):
@@ -110,7 +130,7 @@ CASES = [
 def test_objective_matches_an_independent_reference(name, lora, fused, padding_free, tiny_dir, pairs, tokenizer):
     objective = ObjectiveArgs(name=name, label_smoothing=0.1 if name in ("dpo", "simpo") and not lora else 0.0)
     policy, reference, trained = models(tiny_dir, lora)
-    expected = independent_mean(objective, trained, reference, pairs)
+    expected, expected_figures = independent_mean(objective, trained, reference, pairs)
     expected.backward()
     want = grads(trained)
     trained.zero_grad()
@@ -134,6 +154,10 @@ def test_objective_matches_an_independent_reference(name, lora, fused, padding_f
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=key)
     figures = lm.take_preference_figures()
     assert figures[0] == PAIRS and lm.take_preference_figures() is None
+    logged = figures_of(figures)
+    assert logged.keys() == expected_figures.keys()
+    for key, value in expected_figures.items():  # what metrics.csv shows, against the figures computed apart
+        assert abs(logged[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, logged[key], value)
 
 
 def test_target_log_probs_match_full_logits_and_their_gradients():
@@ -334,7 +358,7 @@ def test_preference_loss_on_other_architectures_matches_transformers_eager(name,
         eager = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager")
     except TypeError:
         eager = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
-    expected = independent_mean(objective, eager.train(), None, pairs)
+    expected, _ = independent_mean(objective, eager.train(), None, pairs)
     expected.backward()
     lm = as_litft_builds_it(folder)
     lm.objective = objective

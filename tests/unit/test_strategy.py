@@ -7,7 +7,8 @@ import pytest
 
 from litft.config import DeepSpeedArgs, FSDPArgs, Layout, TrainArgs
 from litft.errors import LitftError
-from litft.parallel.mesh import fsdp_groups
+from litft.parallel.mesh import Mesh
+from litft.parallel.strategies import FSDP
 from litft.parallel.strategies import checked_strategy_class
 from litft.parallel.strategies.deepspeed import deepspeed_config
 
@@ -64,7 +65,8 @@ def test_user_config_that_disagrees_is_refused(tmp_path, content, message):
 def test_fsdp_mesh_is_replicate_by_shard(kind, devices, nodes, shard_size, shape):
     layout = Layout("fsdp", devices, nodes, FSDPArgs(sharding_strategy=kind, shard_size=shard_size), DeepSpeedArgs())
     checked_strategy_class(layout, "cpu", "32-true")
-    assert fsdp_groups(layout) == shape
+    mesh = Mesh.of(layout, FSDP)
+    assert (mesh.replicas, mesh.shard) == shape and mesh.world == devices * nodes
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -4,6 +4,7 @@ from typing import Type
 
 from litft.config import Layout
 from litft.errors import LitftError
+from litft.parallel.mesh import Mesh
 from litft.parallel.strategies.base import TrainingStrategy
 from litft.parallel.strategies.ddp import DDP, SingleDevice
 from litft.parallel.strategies.deepspeed import DeepSpeed
@@ -20,8 +21,9 @@ def strategy_class(layout: Layout) -> Type[TrainingStrategy]:
 
 
 def checked_strategy_class(layout: Layout, accelerator: str, precision: str) -> Type[TrainingStrategy]:
-    """The layout checked, generic part and the chosen strategy's own, in one place for the jobs and ``litft estimate``."""
+    """The layout checked, generic part, the mesh and the chosen strategy's own, in one place for the jobs and ``litft estimate``."""
     layout.check()
+    Mesh.check_groups_fit_nodes(layout)
     chosen = strategy_class(layout)
     for other in BY_NAME.values():
         group = other.options
@@ -36,6 +38,7 @@ def checked_strategy_class(layout: Layout, accelerator: str, precision: str) -> 
             f"--expert_parallel deals experts out as DTensors that FSDP2 shards further; {chosen.name} cannot hold them, use --strategy fsdp"
         )
     chosen.check(layout, accelerator, precision)
+    Mesh.of(layout, chosen).check(layout)
     return chosen
 
 

@@ -20,6 +20,7 @@ from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
 from litft.fp8 import precompute_scales as precompute_fp8_scales
 from litft.memory import Param, States
+from litft.parallel.mesh import Mesh
 from litft.weights import CheckpointWeights, Materializer, skeleton
 
 Fill = Callable[[torch.nn.Module], None]  # gives real values to the meta tensors of a part of the model
@@ -67,8 +68,9 @@ class TrainingStrategy:
     checkpoint_format: ClassVar[str] = "dcp"
     gathers_fp8: ClassVar[bool] = False  # all-gathers weights in FP8 under --fp8 tensorwise (FSDP), scales computed after each step
 
-    def __init__(self, layout: Layout, accelerator: str, precision: str, train: TrainArgs):
+    def __init__(self, layout: Layout, accelerator: str, precision: str, train: TrainArgs, mesh: Optional[Mesh] = None):
         self.layout, self.accelerator, self.precision, self.train = layout, accelerator, precision, train
+        self.mesh = mesh or Mesh.of(layout, type(self))  # every group the run uses comes from it, built once the processes join
         # NCCL for GPU tensors, and gloo beside it for CPU tensors (offloaded gradients, the loop's counts,
         # which then need no GPU sync); gloo alone on the CPU.
         self.backend = "cuda:nccl,cpu:gloo" if accelerator == "cuda" else "gloo"
@@ -113,13 +115,24 @@ class TrainingStrategy:
     @property
     def host_device(self) -> str:
         """Where small collectives (counts, flags) can run without synchronizing the accelerator."""
-        return "cpu" if "gloo" in self.backend else self.accelerator
+        return "cpu" if "gloo" in self.backend or self.mesh.host_group is not None else self.accelerator
+
+    def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """The loop's counts (on ``host_device``) summed over every rank, in place."""
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(counts, group=self.mesh.host_group)
+        return counts
 
     # ------------------------------------------------------------ before any process starts
 
     @classmethod
     def check(cls, layout: Layout, accelerator: str, precision: str) -> None:
         """Refuse a layout this strategy cannot run, in one line."""
+
+    @classmethod
+    def data_groups(cls, layout: Layout) -> Tuple[int, int]:
+        """(replicas, shard group size) over the ranks a tensor-parallel group counts as one: every rank a replica here."""
+        return layout.world_size // layout.tensor_parallel, 1
 
     @classmethod
     def facts(cls, layout: Layout, precision: str) -> dict:

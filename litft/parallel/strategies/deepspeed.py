@@ -23,6 +23,7 @@ from litft.config import DeepSpeedArgs, Layout, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
 from litft.memory import Param, Row, States
+from litft.parallel.mesh import Mesh, layout_data_world
 from litft.parallel.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes, read_dcp
 from litft.parallel.strategies.ddp import whole_model_states
 from litft.parallel.strategies.deepspeed_state import RowShards, empty_state, restore_training_state, trained_parameters, training_state, unsharded_entries
@@ -60,7 +61,7 @@ def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, layout: Layout, prec
     the model's ``hidden_size``, communication overlaps the backward in sized buckets
     wherever the config leaves them out or says "auto" (``zero_buckets``).
     """
-    accumulation = layout.accumulation(train)
+    accumulation = train.global_batch_size // (train.micro_batch_size * layout_data_world(layout))
     ours = {
         # DeepSpeed counts a batch per rank; the ranks of a context-parallel group share theirs.
         "train_batch_size": train.micro_batch_size * accumulation * layout.world_size,
@@ -175,8 +176,8 @@ class DeepSpeed(TrainingStrategy):
     options = "deepspeed"
     compiles = False  # ZeRO's parameter hooks inside compiled blocks are not tested here
 
-    def __init__(self, layout: Layout, accelerator: str, precision: str, train: TrainArgs):
-        super().__init__(layout, accelerator, precision, train)
+    def __init__(self, layout: Layout, accelerator: str, precision: str, train: TrainArgs, mesh: Optional[Mesh] = None):
+        super().__init__(layout, accelerator, precision, train, mesh)
         self.backend = "nccl" if accelerator == "cuda" else "gloo"  # DeepSpeed's communication layer takes one backend
         self.config = deepspeed_config(layout.deepspeed, train, layout, precision)
         self.stage = int(self.config["zero_optimization"].get("stage", 0))
@@ -202,13 +203,18 @@ class DeepSpeed(TrainingStrategy):
             raise LitftError(f"--deepspeed.config {ds.config} does not exist; pass a DeepSpeed JSON file (examples in config_hub/deepspeed/)")
 
     @classmethod
+    def data_groups(cls, layout: Layout) -> Tuple[int, int]:
+        """ZeRO partitions over every rank (stage 0 replicates, as DDP)."""
+        return (layout.world_size, 1) if layout.deepspeed.config is None and layout.deepspeed.stage == 0 else (1, layout.world_size)
+
+    @classmethod
     def facts(cls, layout: Layout, precision: str) -> dict:
         stage = int(cls.zero_section(layout, precision).get("stage", 0))
         return {"strategy": f"DeepSpeed ZeRO-{stage}", "shard_group": None, "zero_stage": stage}
 
     @staticmethod
     def zero_section(layout: Layout, precision: str, train: Optional[TrainArgs] = None, hidden_size: Optional[int] = None) -> dict:
-        one_step = train or TrainArgs(global_batch_size=layout.data_world, micro_batch_size=1)
+        one_step = train or TrainArgs(global_batch_size=layout_data_world(layout), micro_batch_size=1)
         return deepspeed_config(layout.deepspeed, one_step, layout, precision, hidden_size)["zero_optimization"]
 
     def fabric_strategy(self):
@@ -323,7 +329,7 @@ class DeepSpeed(TrainingStrategy):
 
     def _row_shards(self) -> RowShards:
         if self._shards is None:
-            self._shards = RowShards(torch.device("cpu") if self.backend == "gloo" else self.fabric.device)
+            self._shards = RowShards(torch.device("cpu") if self.backend == "gloo" else self.fabric.device, self.mesh.rows_mesh())
         return self._shards
 
     def save(self, folder: Path, lm, optimizer) -> None:

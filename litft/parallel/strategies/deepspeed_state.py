@@ -19,7 +19,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from litft.errors import LitftError
@@ -43,10 +42,9 @@ class RowShards:
     the GPU; gathering them back runs on ``device``, where the backend communicates.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, mesh):
+        self.device, self.mesh = device, mesh  # mesh: every rank, on the CPU (litft.parallel.mesh.Mesh.rows_mesh)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_device_mesh("cpu", (self.world,))
 
     def _wrap(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
         stride = torch.empty(shape, device="meta").stride()

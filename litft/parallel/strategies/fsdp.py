@@ -14,7 +14,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from lightning_fabric.strategies import ModelParallelStrategy
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -25,7 +24,7 @@ from litft.errors import LitftError
 from litft.memory import Param, Row, States
 from litft.experts import experts_modules
 from litft.parallel.expert import expert_data_mesh, local_share, split_experts
-from litft.parallel.mesh import Mesh, fsdp_groups
+from litft.parallel.mesh import Mesh
 from litft.parallel.strategies.base import Fill, TrainingStrategy
 from litft.parallel.tensor import clip_by_global_norm, parallelize_block, split_over_tensor_parallel, sum_partial_gradients
 from litft.weights import transformer_blocks
@@ -97,30 +96,29 @@ def _replica_all_reduce(module, on: bool):
 class FSDP2FabricStrategy(ModelParallelStrategy):
     """Fabric's model-parallel strategy with litft's (replicate, shard) mesh and per-unit fill-then-shard."""
 
-    def __init__(self, layout: Layout, precision: str, backend: str, offload_pinned: bool):
+    def __init__(self, layout: Layout, mesh: Mesh, precision: str, backend: str, offload_pinned: bool):
         super().__init__(parallelize_fn=self._shard, process_group_backend=backend, timeout=process_group_timeout())
+        self.mesh = mesh
         self._backward_sync_control = ReplicaSync()
         self.offload_pinned = offload_pinned
         self.layout = layout
         self.mixed = precision.endswith("-mixed")
         self.compute_dtype = compute_dtype(precision)
         self.fill: Fill = lambda part: None
-        self.expert_mesh = None  # experts' own mesh under --expert_parallel (litft.parallel.expert)
+
+    @property
+    def expert_mesh(self):
+        """The experts' own mesh under --expert_parallel (litft.parallel.expert), else None."""
+        return self.mesh.expert_mesh
 
     def setup_environment(self) -> None:
-        # Skips ModelParallelStrategy's (data, tensor) mesh; ours is (replicate, shard).
+        # Skips ModelParallelStrategy's (data, tensor) mesh; ours is (replicate, shard), built with every other group of the run.
         super(ModelParallelStrategy, self).setup_environment()
         self._setup_distributed()
-        mesh = Mesh.of(self.layout)
+        mesh = self.mesh
         if self.global_rank == 0 and self.layout.fsdp.sharding_strategy == "HYBRID_SHARD" and mesh.replicas == 1 and mesh.shard > 1:
             print(f"HYBRID_SHARD with one shard group of {mesh.shard} ranks: sharding as FULL_SHARD", flush=True)
-        if self.global_rank == 0 and mesh.world > 1:
-            print(mesh.describe(), flush=True)
-        shape, names = mesh.dense()
-        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
-        if mesh.expert > 1:  # the experts' own mesh over the same ranks (litft.parallel.mesh)
-            shape, names = mesh.experts()
-            self.expert_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+        self._device_mesh = mesh.build(self.root_device.type, process_group_timeout()).dense_mesh
 
     def _shard(self, module, mesh):
         # FSDP2 shards over a 1-D mesh and does HSDP (replicate x shard) over a 2-D one.
@@ -179,18 +177,23 @@ class FSDP(TrainingStrategy):
                     f"HYBRID_SHARD needs the {'world size' if tp == 1 else 'data-parallel world'} ({ranks} = {world}) "
                     f"to be a multiple of the shard group size ({shard}); change --fsdp.shard_size or the process count"
                 )
-        experts, shard = layout.expert_parallel, fsdp_groups(layout)[1]
-        if experts > 1 and shard % experts:
-            raise LitftError(
-                f"--expert_parallel {experts} must divide FSDP's shard group ({shard} ranks under {fsdp.sharding_strategy}): an expert group "
-                "holds one copy of the experts between them; choose a divisor of it or another --fsdp.sharding_strategy"
-            )
-        if experts > 1 and fsdp.cpu_offload:
+        if layout.expert_parallel > 1 and fsdp.cpu_offload:
             raise LitftError("--fsdp.cpu_offload with --expert_parallel is not supported yet (untested); drop one of them")
         if layout.tensor_parallel > 1 and fsdp.cpu_offload:
             raise LitftError("--fsdp.cpu_offload with --tensor_parallel is not supported yet (untested); drop one of them")
         if fsdp.cpu_offload and accelerator != "cuda":
             raise LitftError("--fsdp.cpu_offload moves GPU memory to the CPU; on --accelerator cpu there is nothing to offload, drop it")
+
+    @classmethod
+    def data_groups(cls, layout: Layout) -> Tuple[int, int]:
+        """(replicas, shard group size) of FSDP's mesh, over the ranks a tensor-parallel group counts as one."""
+        kind, world = layout.fsdp.sharding_strategy, layout.world_size // layout.tensor_parallel
+        if kind in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            return 1, world
+        if kind == "NO_SHARD":
+            return world, 1
+        shard = layout.fsdp.shard_size or layout.devices // layout.tensor_parallel
+        return max(world // shard, 1), shard
 
     @classmethod
     def frozen_base_dtype(cls, precision: str) -> Optional[torch.dtype]:
@@ -199,10 +202,10 @@ class FSDP(TrainingStrategy):
 
     @classmethod
     def facts(cls, layout: Layout, precision: str) -> dict:
-        return {"strategy": f"FSDP {layout.fsdp.sharding_strategy}", "shard_group": fsdp_groups(layout)[1], "zero_stage": None}
+        return {"strategy": f"FSDP {layout.fsdp.sharding_strategy}", "shard_group": cls.data_groups(layout)[1], "zero_stage": None}
 
     def fabric_strategy(self):
-        self._fabric_strategy = FSDP2FabricStrategy(self.layout, self.precision, self.backend, offload_pinned=self.accelerator == "cuda")
+        self._fabric_strategy = FSDP2FabricStrategy(self.layout, self.mesh, self.precision, self.backend, offload_pinned=self.accelerator == "cuda")
         return self._fabric_strategy
 
     def setup(self, fabric, lm, fill: Fill, on_device: bool):
@@ -215,7 +218,7 @@ class FSDP(TrainingStrategy):
 
     def optimizer_step(self, module, optimizer, max_norm: Optional[float]):
         if self.layout.tensor_parallel > 1:
-            sum_partial_gradients(module, self._fabric_strategy.device_mesh["tensor"].get_group())
+            sum_partial_gradients(module, self.mesh.tensor_group)
         return super().optimizer_step(module, optimizer, max_norm)
 
     def clip_gradients(self, module, optimizer, max_norm: float):
@@ -230,8 +233,7 @@ class FSDP(TrainingStrategy):
         time), so the check holds no copy of the shard; parameters FSDP does not shard
         (4-bit bases) are whole and equal on every rank by construction and are skipped.
         """
-        mesh = self.fabric.strategy.device_mesh
-        if mesh.shape[0] == 1:
+        if self.mesh.replicas == 1:
             return None
         sums = []
         for p in lm.parameters():
@@ -239,7 +241,7 @@ class FSDP(TrainingStrategy):
                 for chunk in p.to_local().detach().reshape(-1).split(CHECKSUM_CHUNK):
                     sums += [chunk.sum(dtype=torch.float64), torch.linalg.vector_norm(chunk, dtype=torch.float64)]
         local = torch.stack(sums) if sums else torch.zeros(1, dtype=torch.float64, device=self.fabric.device)
-        group = mesh.get_group("replicate")
+        group = self.mesh.replicate_group
         high, low = local.clone(), local.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
@@ -256,7 +258,7 @@ class FSDP(TrainingStrategy):
 
     @classmethod
     def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
-        fsdp, shard = layout.fsdp, fsdp_groups(layout)[1]
+        fsdp, shard = layout.fsdp, cls.data_groups(layout)[1]
         mixed = precision.endswith("-mixed")
         low = element_size(compute_dtype(precision))
         trained = [t for t in tensors if t.trainable]
