@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from litft import attention  # noqa: E402
-from litft.data.base import collate, pack  # noqa: E402
+from litft.data.collate import collate  # noqa: E402
+from litft.data.samples import pack  # noqa: E402
 from tests.architectures import ARCHITECTURES, as_litft_builds_it, reference, samples, save_tiny  # noqa: E402
 
 

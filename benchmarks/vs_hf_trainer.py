@@ -148,7 +148,7 @@ def litft_data(load: Workload, work: Path):
 
 def order(args, load: Workload, num_samples: int) -> list:
     """The sample indices litft trains, micro-batch after micro-batch (one process, one epoch)."""
-    from litft.data.base import SampleOrder
+    from litft.data.order import SampleOrder
 
     sampler = SampleOrder(num_samples, load.global_batch, load.micro_batch, 0, 1, args.seed)
     return [idx for step in range(args.steps) for idx in sampler.micro_batches(0, step)]

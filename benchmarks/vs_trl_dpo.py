@@ -89,7 +89,7 @@ def litft_pairs(work: Path, tokenizer, seed: int):
 
 
 def step_orders(args, num_pairs: int) -> list:
-    from litft.data.base import SampleOrder
+    from litft.data.order import SampleOrder
 
     order = SampleOrder(num_pairs, args.global_batch, args.micro_batch, 0, 1, args.seed)
     return [[i for micro in order.micro_batches(0, step) for i in micro] for step in range(args.steps)]

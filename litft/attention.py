@@ -28,7 +28,7 @@ from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from litft.data.base import cumulative_lengths
+from litft.data.collate import cumulative_lengths
 from litft.errors import LitftError
 from litft.parallel import context as context_parallel
 

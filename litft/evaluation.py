@@ -5,7 +5,11 @@ from typing import List, Optional
 
 import torch
 
-from litft.data.base import PreparedData, Prompted, collate, eval_batches
+from litft.data.base import PreparedData, Prompted
+
+from litft.data.collate import collate
+
+from litft.data.order import eval_batches
 from litft.model import target_tokens
 from litft.parallel.mesh import DataPlace
 

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from litft.attention import PACKED_SAFE, SEGMENTS, packed_rows_known
 from litft.config import ObjectiveArgs, TrainArgs
-from litft.data.base import targets_of
+from litft.data.collate import targets_of
 from litft.errors import LitftError
 from litft.loss import fused_head
 from litft.parallel.context import MARK, group_sum

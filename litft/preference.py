@@ -92,7 +92,8 @@ def score_pairs(fabric, module, samples, micro_batch_size: int, pad_id: int, pad
     score slices whose sums ``CausalLM.sequence_log_probs`` makes whole, and those of a tensor-parallel group the
     same pairs, so each pair is added by one rank of its group.
     """
-    from litft.data.base import collate, eval_batches
+    from litft.data.collate import collate
+    from litft.data.order import eval_batches
 
     module.eval()
     table = torch.zeros((len(samples), 2), dtype=torch.float64, device=fabric.device)

@@ -30,7 +30,8 @@ from litft.compiling import choose as choose_compile
 from litft.cluster import (
     apply_launcher_env, check_shared_out_dir, join_torchrun_group, launcher, leave_process_group, preflight, process_group_timeout, restarted,
 )
-from litft.data.base import PreparedData, SampleOrder, StepBatches, mean_length
+from litft.data.base import PreparedData, mean_length
+from litft.data.order import SampleOrder, StepBatches
 from litft.data.stream import StreamSource
 from litft.device import compute_dtype, cuda_allocator_defaults, map_large_host_allocations, param_dtype, resolve_accelerator, resolve_precision
 from litft.errors import LitftError

@@ -21,7 +21,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from litft.config import at_least
-from litft.data.base import IGNORE_INDEX, PreparedData, Prompted, Sample, litft_home, pack, split_indices
+from litft.data.base import PreparedData, Prompted, litft_home, split_indices
+from litft.data.samples import IGNORE_INDEX, Sample, pack
 from litft.data.sft import InstructionData, PromptStyle
 from litft.data.stream import streamed
 from litft.data.text import cut_blocks, document_ids

@@ -8,7 +8,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from litft.config import positive
-from litft.data.base import DataModule, PreparedData, Sample
+from litft.data.base import DataModule, PreparedData
+from litft.data.samples import Sample
 from litft.errors import LitftError
 
 

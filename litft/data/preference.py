@@ -16,7 +16,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from litft.config import at_least
-from litft.data.base import IGNORE_INDEX, DataModule, PreparedData, Prompted, Sample, split_train_val
+from litft.data.base import DataModule, PreparedData, Prompted, split_train_val
+from litft.data.samples import IGNORE_INDEX, Sample
 from litft.data.sft import PromptStyle, alpaca_prompt, read_records
 from litft.data.tiny import LETTERS, TASKS, task_record
 from litft.errors import LitftError

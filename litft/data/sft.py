@@ -7,7 +7,9 @@ from typing import List, Literal, Optional, Tuple
 
 import torch
 
-from litft.data.base import IGNORE_INDEX, DataModule, PreparedData, Prompted, Sample, split_train_val
+from litft.data.base import DataModule, PreparedData, Prompted, split_train_val
+
+from litft.data.samples import IGNORE_INDEX, Sample
 from litft.errors import LitftError
 
 PromptStyle = Literal["alpaca", "chat", "plain"]

@@ -17,7 +17,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from litft.data.base import IGNORE_INDEX, PreparedData, Sample, collated
+from litft.data.base import PreparedData
+
+from litft.data.order import collated
+
+from litft.data.samples import IGNORE_INDEX, Sample
 from litft.errors import LitftError
 
 

@@ -7,7 +7,9 @@ from typing import List, Optional
 
 import torch
 
-from litft.data.base import DataModule, PreparedData, Sample, split_train_val
+from litft.data.base import DataModule, PreparedData, split_train_val
+
+from litft.data.samples import Sample
 from litft.errors import LitftError
 
 TEXT_SUFFIXES = (".txt", ".md", ".jsonl")

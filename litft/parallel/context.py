@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from litft.data.base import IGNORE_INDEX, cumulative_lengths
+from litft.data.collate import cumulative_lengths
+
+from litft.data.samples import IGNORE_INDEX
 from litft.errors import LitftError
 
 MARK = "litft_context"  # the varlen key that carries the context group to attention (generation's batches have none)

@@ -15,7 +15,7 @@ WINDOW = 4  # a sliding window shorter than the second sample (Mistral, Gemma): 
 
 def whole_rows_and_slices(rank: int, store_path: str) -> None:
     from litft.attention import _attend_in_samples, segments_attention
-    from litft.data.base import cumulative_lengths
+    from litft.data.collate import cumulative_lengths
     from litft.parallel import context as context_parallel
     from litft.parallel.mesh import Mesh
 

@@ -15,7 +15,8 @@ import torch
 
 from litft import attention
 from litft.attention import VarlenKernel
-from litft.data.base import collate, pack
+from litft.data.collate import collate
+from litft.data.samples import pack
 from litft.errors import LitftError
 from litft.model import check_architecture, load_config
 from tests.architectures import ARCHITECTURES, VOCAB, as_litft_builds_it, reference, samples, save_tiny

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from litft import attention
 from litft.attention import SEGMENTS, VarlenKernel, choose
 from litft.config import TrainArgs
-from litft.data.base import IGNORE_INDEX, collate, pack
+from litft.data.collate import collate
+from litft.data.samples import IGNORE_INDEX, pack
 from litft.errors import LitftError
 from litft.model import CausalLM, load_causal_lm
 from tests.varlen_standins import STANDINS

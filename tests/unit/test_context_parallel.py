@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from litft.data.base import IGNORE_INDEX, collate
+from litft.data.collate import collate
+
+from litft.data.samples import IGNORE_INDEX
 from litft.config import DeepSpeedArgs, FSDPArgs, Layout
 from litft.parallel.context import MARK, slice_batch
 from litft.parallel.mesh import DataPlace, Mesh

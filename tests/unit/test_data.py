@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from litft.data import JSON, TextFiles, TinyTasks
-from litft.data.base import IGNORE_INDEX, SampleOrder, collate, pack
+from litft.data.collate import collate
+from litft.data.order import SampleOrder
+from litft.data.samples import IGNORE_INDEX, pack
 from litft.errors import LitftError
 
 

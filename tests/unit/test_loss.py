@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from litft import loss as fused
 from litft.build import build_model
 from litft.config import LoraArgs, TrainArgs
-from litft.data.base import IGNORE_INDEX, collate
+from litft.data.collate import collate
+from litft.data.samples import IGNORE_INDEX
 from litft.model import CausalLM, load_config
 from litft.weights import CheckpointWeights, Materializer
 

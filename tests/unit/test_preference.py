@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from litft.config import ObjectiveArgs
 from litft.config import TrainArgs
-from litft.data.base import IGNORE_INDEX, collate
+from litft.data.collate import collate
+from litft.data.samples import IGNORE_INDEX
 from litft.data.preference import Preferences, TinyPreferences, preference_records
 from litft.errors import LitftError
 from litft.loss import TargetLogProbs, fuse_target_loss
