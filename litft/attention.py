@@ -14,12 +14,9 @@ from the position ids by itself. Which one a run uses is chosen once
 import contextlib
 import importlib
 import importlib.util
-import inspect
-import os
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +25,10 @@ from transformers import masking_utils
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from litft import varlen
 from litft.data.collate import cumulative_lengths
 from litft.errors import LitftError
+from litft.varlen import segments_path
 from litft.parallel import context as context_parallel
 
 SEGMENTS = "litft_segments"
@@ -41,95 +40,6 @@ PACKED_SAFE = (SEGMENTS, "flash_attention_2")
 # On the CPU, samples are gathered into one padded call while that pads the attention by at most this factor.
 GATHER_PADDING_LIMIT = 1.25
 
-# "module:function" of a kernel with the contract of torch's varlen_attn, used instead of torch's own; the tests
-# run the CUDA path on the CPU with stand-ins that keep that contract (tests/varlen_standins.py).
-KERNEL_VARIABLE = "LITFT_VARLEN_KERNEL"
-
-
-@dataclass(frozen=True)
-class VarlenKernel:
-    """A varlen flash kernel and what its signature takes, read once from the function itself.
-
-    torch shipped three signatures: 2.10 takes ``is_causal`` and no scale, 2.11 and
-    2.12 a keyword ``window_size`` and ``scale``, 2.13 adds ``enable_gqa``. The call is
-    built from what this one accepts, so no torch sees a keyword it does not know.
-    """
-
-    function: Callable
-    parameters: frozenset
-    device_type: str = "cuda"  # where the kernel runs; a stand-in says "cpu"
-    dtypes: Tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)  # flash kernels refuse fp32
-
-    @classmethod
-    def of(cls, function: Callable) -> "VarlenKernel":
-        return cls(function, frozenset(inspect.signature(function).parameters), getattr(function, "device_type", "cuda"))
-
-    @property
-    def causal(self) -> bool:
-        """Whether it can mask causally at all (every torch release so far can)."""
-        return bool({"window_size", "is_causal"} & self.parameters)
-
-    @property
-    def takes_gqa(self) -> bool:
-        return "enable_gqa" in self.parameters
-
-    def runs(self, device_type: str, dtype: torch.dtype, scaling: Optional[float], head_dim: int) -> bool:
-        """Whether this call can go to the kernel: its device, a half dtype, and a scale it can be given."""
-        default_scale = scaling is None or abs(scaling - head_dim**-0.5) < 1e-12
-        return self.causal and device_type == self.device_type and dtype in self.dtypes and ("scale" in self.parameters or default_scale)
-
-    @property
-    def takes_window(self) -> bool:
-        return "window_size" in self.parameters
-
-    def __call__(self, query, key, value, cu, longest: int, scaling: Optional[float], window: Optional[int] = None):
-        """Causal attention over flattened tokens (T, H, D) split into samples by ``cu``; K and V repeated where GQA is not taken.
-
-        ``window``: each query sees itself and the ``window - 1`` tokens before it (transformers' sliding window).
-        """
-        kwargs = {}
-        if self.takes_window:
-            kwargs["window_size"] = (-1 if window is None else window - 1, 0)
-        elif window is not None:
-            raise ValueError("this varlen kernel has no window_size")
-        else:
-            kwargs["is_causal"] = True
-        if "scale" in self.parameters:
-            kwargs["scale"] = scaling
-        groups = query.shape[1] // key.shape[1]
-        if groups > 1:
-            if self.takes_gqa:
-                kwargs["enable_gqa"] = True
-            else:
-                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        return self.function(query, key, value, cu, cu, longest, longest, **kwargs)
-
-
-def find_varlen_kernel(variable: Optional[str] = None) -> Optional[VarlenKernel]:
-    """The kernel ``LITFT_VARLEN_KERNEL`` names, else torch's varlen_attn (torch 2.10 and later), else None."""
-    named = os.environ.get(KERNEL_VARIABLE) if variable is None else variable
-    if named:
-        module, _, name = named.partition(":")
-        try:
-            function = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as err:
-            raise LitftError(f"{KERNEL_VARIABLE}={named} cannot be imported ({err}); give module:function or unset it") from None
-        return VarlenKernel.of(function)
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.10
-        return None
-    return VarlenKernel.of(varlen_attn)
-
-
-VARLEN: Optional[VarlenKernel] = find_varlen_kernel()
-
-
-def use_varlen_kernel(kernel: Optional[VarlenKernel]) -> Optional[VarlenKernel]:
-    """Make ``kernel`` the one every later attention call uses; the previous one is returned (tests swap stand-ins)."""
-    global VARLEN
-    previous, VARLEN = VARLEN, kernel
-    return previous
 
 
 class AttentionRecord:
@@ -304,7 +214,7 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
         # Softcapping or sinks: no fused kernel here computes them, so the model's own definition runs, a sample at a time.
         RECORD.note("eager", received, dtype)
         return _eager_in_samples(module, query, key, value, bounds or tuple(cu.tolist()), window, dropout, scaling, kwargs)
-    kernel = VARLEN
+    kernel = varlen.VARLEN
     if (kernel is not None and dropout == 0.0 and kernel.runs(query.device.type, dtype, scaling, dim)
             and (window is None or kernel.takes_window)):
         # Every sample of the batch in one call: tokens flattened, samples found by their cumulative lengths.
@@ -403,20 +313,6 @@ def choose(requested: str, accelerator: str, precision: str = "bf16-mixed", cont
     return SEGMENTS
 
 
-def segments_path(device_type: str, precision: str, kernel: Optional[VarlenKernel] = None) -> Tuple[str, str]:
-    """How litft_segments will attend on this device at this precision, and why: ``("varlen" | "sdpa", reason)``."""
-    kernel = VARLEN if kernel is None else kernel
-    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else torch.float32
-    if kernel is None:
-        return "sdpa", f"torch {torch.__version__.split('+')[0]} has no varlen flash kernel (torch 2.10 and later do)"
-    if device_type != kernel.device_type:
-        return "sdpa", f"the varlen flash kernel runs on {kernel.device_type} only"
-    if dtype not in kernel.dtypes:
-        return "sdpa", f"{precision} attends in {str(dtype).removeprefix('torch.')} and the varlen flash kernel takes fp16/bf16 only"
-    gqa = "enable_gqa" if kernel.takes_gqa else "K/V heads repeated for grouped-query attention (this torch's kernel has no enable_gqa)"
-    return "varlen", f"{str(dtype).removeprefix('torch.')} on {device_type}; {gqa}"
-
-
 def describe(implementation: str, device_type: str, precision: str) -> str:
     """One line for the log: what attends, in which kernel and why, and how packed samples are kept apart."""
     if implementation == SEGMENTS:
@@ -426,13 +322,3 @@ def describe(implementation: str, device_type: str, precision: str) -> str:
     if implementation == "flash_attention_2":
         return "attention: flash_attention_2 (varlen from the position ids; samples of a row kept apart without a mask)"
     return f"attention: {implementation} (padded batches; packed rows need a dense block-diagonal mask)"
-
-
-def choose_kernels(requested: str, accelerator: str) -> bool:
-    """Whether Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU) replace the model's own: ``--kernels``."""
-    installed = importlib.util.find_spec("liger_kernel") is not None
-    if requested == "liger" and not installed:
-        raise LitftError("--kernels liger needs liger-kernel: pip install 'litft[kernels]' (or drop --kernels)")
-    if requested == "liger" and accelerator != "cuda":
-        raise LitftError("--kernels liger runs Triton kernels on a GPU; on the CPU use --kernels none")
-    return requested == "liger" or (requested == "auto" and installed and accelerator == "cuda")

@@ -19,6 +19,7 @@ from litft.config import LoraArgs, ObjectiveArgs, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.experts import use_grouped_experts
 from litft.fp8 import convert as convert_to_fp8
+from litft.kernels import use_liger_kernels
 from litft.lora import apply_lora, quantization_config, quiet_peft
 from litft.loss import fuse_target_loss
 from litft.model import CausalLM, keep_4bit_training_layout, load_causal_lm, load_config
@@ -85,16 +86,6 @@ def enable_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def use_liger_kernels(model) -> None:
-    """Liger's fused norm, rotary and MLP kernels in the model (an optional extra, imported only when asked for).
-
-    Only those: the loss on target tokens is litft's own (litft.loss).
-    """
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
 
 
 def build_module(

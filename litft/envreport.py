@@ -15,7 +15,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from litft.attention import SEGMENTS, VARLEN, choose, segments_path
+from litft.attention import SEGMENTS, choose
+from litft.varlen import VARLEN, segments_path
 from litft.experts import CHOSEN, grouped_kernel
 from litft.selfcheck import Case, run_matrix, summary_line
 

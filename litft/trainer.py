@@ -19,7 +19,7 @@ from lightning_fabric.plugins.environments import LightningEnvironment
 
 from litft.attention import PACKED_SAFE
 from litft.attention import choose as choose_attention
-from litft.attention import choose_kernels
+from litft.kernels import choose_kernels
 from litft.attention import describe as describe_attention
 from litft.build import build_module
 from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from litft import attention
-from litft.attention import VarlenKernel
+from litft.varlen import VarlenKernel, use_varlen_kernel
 from litft.data.collate import collate
 from litft.data.samples import pack
 from litft.errors import LitftError
@@ -65,7 +65,7 @@ def test_architectures_litft_cannot_train_are_refused_in_one_line(architecture, 
 def test_windows_softcapping_and_sinks_on_the_gpu_branch(folders, references, release):
     """The CUDA varlen branch (a stand-in kernel on the CPU) in bf16: a window goes to the kernel where it takes one, softcapping and
     sinks to the model's own eager attention; the loss stays within bf16's rounding of transformers' fp32 loss."""
-    previous = attention.use_varlen_kernel(VarlenKernel.of(STANDINS[release]))
+    previous = use_varlen_kernel(VarlenKernel.of(STANDINS[release]))
     try:
         for name, paths in (("mistral (window)", {"varlen"} if release == "2.13" else {"windowed sdpa"}), ("gemma2", {"eager"}), ("gpt-oss", {"eager"})):
             attention.RECORD.clear()
@@ -75,7 +75,7 @@ def test_windows_softcapping_and_sinks_on_the_gpu_branch(folders, references, re
             expected = references[name][0].item()
             assert abs(loss.item() - expected) <= 2e-2 * expected, (name, loss.item(), expected)
     finally:
-        attention.use_varlen_kernel(previous)
+        use_varlen_kernel(previous)
 
 
 def logits(model, ids):

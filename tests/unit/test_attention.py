@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from litft import attention
-from litft.attention import SEGMENTS, VarlenKernel, choose
+from litft import attention, varlen
+from litft.attention import SEGMENTS, choose
+from litft.varlen import VarlenKernel
 from litft.config import TrainArgs
 from litft.data.collate import collate
 from litft.data.samples import IGNORE_INDEX, pack
@@ -106,10 +107,10 @@ real_find_spec = importlib.util.find_spec
 def standin(request):
     """torch's varlen kernel as each torch release shipped it, on the CPU (tests/varlen_standins.py)."""
     kernel = VarlenKernel.of(STANDINS[request.param])
-    previous = attention.use_varlen_kernel(kernel)
+    previous = varlen.use_varlen_kernel(kernel)
     attention.RECORD.clear()
     yield request.param, kernel
-    attention.use_varlen_kernel(previous)
+    varlen.use_varlen_kernel(previous)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
@@ -135,7 +136,7 @@ def test_cuda_path_through_each_torch_signature(tiny_dir, standin, precision):
     else:
         assert attention.RECORD.paths() == {"varlen"}, attention.RECORD.seen
         assert attention.RECORD.computed() == {"bfloat16"}
-    assert attention.segments_path("cpu", precision, kernel)[0] == ("sdpa" if precision == "32-true" else "varlen")
+    assert varlen.segments_path("cpu", precision, kernel)[0] == ("sdpa" if precision == "32-true" else "varlen")
     error = 1e-5 if precision == "32-true" else 3e-2  # bf16 rounds differently in the two paths
     assert abs(got - expected) <= error * abs(expected)
     for name, grad in expected_grads.items():
@@ -151,18 +152,18 @@ def test_a_kernel_is_read_from_its_signature():
     assert old.runs("cpu", torch.bfloat16, 8**-0.5, 8) and not old.runs("cpu", torch.bfloat16, 0.3, 8)
     assert middle.runs("cpu", torch.bfloat16, 0.3, 8) and not middle.runs("cpu", torch.float32, None, 8)
     assert not new.runs("cuda", torch.bfloat16, None, 8)  # a stand-in runs where it says
-    real = attention.find_varlen_kernel("")
+    real = varlen.find_varlen_kernel("")
     if real is not None:  # torch >= 2.10: the real kernel, read the same way
         assert real.device_type == "cuda" and real.causal
     with pytest.raises(LitftError, match="LITFT_VARLEN_KERNEL=nowhere:kernel cannot be imported"):
-        attention.find_varlen_kernel("nowhere:kernel")
+        varlen.find_varlen_kernel("nowhere:kernel")
 
 
 @pytest.mark.parametrize("gathered", [True, False])
 def test_cpu_bf16_mixed_packed_attention(tiny_dir, monkeypatch, gathered):
     """G6: under CPU autocast q and k leave rotary in fp32 and v is bf16; both CPU paths attend in bf16 and train."""
     monkeypatch.setattr(attention, "GATHER_PADDING_LIMIT", 1.5 if gathered else 1.0)
-    previous = attention.use_varlen_kernel(None)
+    previous = varlen.use_varlen_kernel(None)
     try:
         attention.RECORD.clear()
         lm = tiny_lm(tiny_dir, SEGMENTS)
@@ -170,7 +171,7 @@ def test_cpu_bf16_mixed_packed_attention(tiny_dir, monkeypatch, gathered):
             loss = lm.loss_sum(collate(pack(samples([5, 9, 4, 7]), max_length=32), pad_id=0))
         loss.backward()
     finally:
-        attention.use_varlen_kernel(previous)
+        varlen.use_varlen_kernel(previous)
     assert attention.RECORD.computed() == {"bfloat16"} and torch.isfinite(loss)
 
 
@@ -186,7 +187,7 @@ def test_segments_attention_without_position_ids_is_plain_causal(tiny_dir):
 def test_liger_kernels_only_where_they_run(monkeypatch):
     import importlib.util
 
-    from litft.attention import choose_kernels
+    from litft.kernels import choose_kernels
 
     installed = importlib.util.find_spec("liger_kernel") is not None
     assert choose_kernels("auto", "cpu") is False and choose_kernels("none", "cuda") is False
@@ -199,7 +200,7 @@ def test_liger_kernels_only_where_they_run(monkeypatch):
 def test_liger_kernels_train_as_the_models_own(tiny_dir):
     """Where they run: the same loss and gradients as the model's own norm, rotary and MLP."""
     pytest.importorskip("liger_kernel")
-    from litft.build import use_liger_kernels
+    from litft.kernels import use_liger_kernels
 
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collate(samples([9, 14]), pad_id=0).items()}
     results = []
@@ -263,7 +264,7 @@ def test_no_host_reads_inside_the_decoder_layers(tiny_dir, path, lengths):
         finally:
             counter.paused = False
 
-    previous = attention.use_varlen_kernel(VarlenKernel.of(kernel))
+    previous = varlen.use_varlen_kernel(VarlenKernel.of(kernel))
     try:
         model = load_causal_lm(str(tiny_dir), random_init=False, dtype=torch.bfloat16 if path == "varlen" else torch.float32)
         model.set_attn_implementation(SEGMENTS)
@@ -279,7 +280,7 @@ def test_no_host_reads_inside_the_decoder_layers(tiny_dir, path, lengths):
             lm(batch["input_ids"], batch["position_ids"])
         assert fallback.reads
     finally:
-        attention.use_varlen_kernel(previous)
+        varlen.use_varlen_kernel(previous)
 
 
 @pytest.mark.parametrize("run", ["dense", "moe", "lora on experts", "preference"])

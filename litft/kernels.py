@@ -1,0 +1,25 @@
+"""Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU) in place of the model's own: ``--kernels``."""
+
+import importlib.util
+
+from litft.errors import LitftError
+
+
+def choose_kernels(requested: str, accelerator: str) -> bool:
+    """Whether Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU) replace the model's own: ``--kernels``."""
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    if requested == "liger" and not installed:
+        raise LitftError("--kernels liger needs liger-kernel: pip install 'litft[kernels]' (or drop --kernels)")
+    if requested == "liger" and accelerator != "cuda":
+        raise LitftError("--kernels liger runs Triton kernels on a GPU; on the CPU use --kernels none")
+    return requested == "liger" or (requested == "auto" and installed and accelerator == "cuda")
+
+
+def use_liger_kernels(model) -> None:
+    """Liger's fused norm, rotary and MLP kernels in the model (an optional extra, imported only when asked for).
+
+    Only those: the loss on target tokens is litft's own (litft.loss).
+    """
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
