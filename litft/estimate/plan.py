@@ -9,6 +9,7 @@ from litft.config import Layout, LoraArgs, ObjectiveArgs, TrainArgs
 from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.estimate.inventory import model_tensors
+from litft.estimate.states import memory_layout
 from litft.estimate.trace import trace_activations
 from litft.flops import flops_per_token, model_shape
 from litft.logs import quiet_libraries
@@ -119,7 +120,7 @@ def plan_memory(flags: dict) -> dict:
         config._attn_implementation = flags["attention"]
     frozen_dtype = strategy.frozen_base_dtype(precision)
     tensors = model_tensors(build_model(config, precision, lora, False, frozen_dtype=frozen_dtype), flags["quantize"])
-    states = strategy.memory_layout(tensors, layout, precision, train, hidden_size=config.hidden_size)
+    states = memory_layout(strategy, tensors, layout, precision, train, hidden_size=config.hidden_size)
     facts = strategy.facts(layout, precision)
 
     params_dtype, autocast = strategy.compute_view(layout, precision)

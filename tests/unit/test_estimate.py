@@ -8,6 +8,7 @@ import torch
 
 from litft.config import DeepSpeedArgs, FSDPArgs, Layout, LoraArgs, TrainArgs
 from litft.estimate import render
+from litft.estimate.states import memory_layout
 from litft.memory import GiB, Param
 from litft.parallel.strategies import SingleDevice, strategy_class
 
@@ -31,7 +32,7 @@ TRAINED = sum(t.nbytes for t in TENSORS if t.trainable)
 def states(strategy="auto", devices=1, num_nodes=1, fsdp=FSDPArgs(), deepspeed=DeepSpeedArgs(), tensors=TENSORS, precision="32-true"):
     layout = Layout(strategy, devices, num_nodes, fsdp, deepspeed)
     train = TrainArgs(global_batch_size=layout.world_size, micro_batch_size=1)
-    got = strategy_class(layout).memory_layout(tensors, layout, precision, train)
+    got = memory_layout(strategy_class(layout), tensors, layout, precision, train)
     return got, {name: row for name, row in got.buffers}
 
 
@@ -121,7 +122,7 @@ def test_model_states_match_a_real_step(tiny_dir, quantize, precision):
 
     frozen_dtype = SingleDevice.frozen_base_dtype(precision)
     tensors = model_tensors(build_model(load_config(str(tiny_dir)), precision, lora, False, frozen_dtype=frozen_dtype), quantize)
-    got = SingleDevice.memory_layout(tensors, Layout(), precision, TrainArgs())
+    got = memory_layout(SingleDevice, tensors, Layout(), precision, TrainArgs())
     quant_state = sum(t.quant_state for t in tensors)
     assert got.params.gpu - quant_state == held["params"]
     assert (got.grads.gpu, got.optimizer.gpu) == (held["grads"], held["optimizer"])

@@ -10,7 +10,7 @@ from litft.errors import LitftError
 from litft.parallel.mesh import Mesh
 from litft.parallel.strategies import FSDP
 from litft.parallel.strategies import checked_strategy_class
-from litft.parallel.strategies.deepspeed import deepspeed_config
+from litft.parallel.strategies.deepspeed_config import deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = TrainArgs(global_batch_size=32, micro_batch_size=2, max_norm=0.5)

@@ -19,7 +19,6 @@ from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
 from litft.fp8 import precompute_scales as precompute_fp8_scales
-from litft.memory import Param, States
 from litft.parallel.mesh import Mesh
 from litft.weights import CheckpointWeights, Materializer, skeleton
 
@@ -228,11 +227,6 @@ class TrainingStrategy:
         )
 
     # ------------------------------------------------------------ for litft estimate
-
-    @classmethod
-    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
-        """Parameters, gradients, optimizer states and buffers of the fullest rank, as ``state_bytes`` measures them."""
-        raise NotImplementedError
 
     @classmethod
     def compute_view(cls, layout: Layout, precision: str) -> Tuple[Callable, Optional[torch.dtype]]:

@@ -7,7 +7,6 @@ layout, the same as every other strategy's (``deepspeed_state``).
 
 import argparse
 import importlib.util
-import json
 import os
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,99 +18,16 @@ from lightning_fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning_fabric.utilities.seed import reset_seed
 
 from litft.cluster import process_group_timeout
-from litft.config import DeepSpeedArgs, Layout, TrainArgs
+from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
-from litft.memory import Param, Row, States
 from litft.parallel.mesh import Mesh, layout_data_world
 from litft.parallel.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes, read_dcp
-from litft.parallel.strategies.ddp import whole_model_states
+from litft.parallel.strategies.deepspeed_config import deepspeed_config
 from litft.parallel.strategies.deepspeed_state import RowShards, empty_state, restore_training_state, trained_parameters, training_state, unsharded_entries
 from litft.weights import CheckpointWeights, Materializer
 
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
-# DeepSpeed's own defaults (deepspeed.runtime.zero.config), used when the config leaves them out.
-DS_DEFAULTS = {"reduce_bucket_size": 5e8, "prefetch_bucket_size": 5e7, "param_persistence_threshold": 1e5, "max_live_parameters": 1e9}
-
-
-def zero_buckets(stage: int, hidden_size: int) -> dict:
-    """Communication that overlaps the backward, in buckets sized to the model's width.
-
-    DeepSpeed turns overlap_comm on by itself only for stage 3, and its 5e8-element
-    default buckets are 1 GB in bf16 whatever the model. These are the sizes HF's
-    "auto" values give (h^2 for reductions, 0.9 h^2 for stage 3's prefetch, 10 h for
-    the parameters stage 3 keeps whole).
-    """
-    if stage == 0:
-        return {}
-    square = hidden_size * hidden_size
-    buckets = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": square}
-    if stage == 3:
-        buckets.update(stage3_prefetch_bucket_size=int(0.9 * square), stage3_param_persistence_threshold=10 * hidden_size)
-    else:
-        buckets["allgather_bucket_size"] = square
-    return buckets
-
-
-def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, layout: Layout, precision: str, hidden_size: Optional[int] = None) -> dict:
-    """DeepSpeed's config from litft's flags, or the user's file with its "auto" values filled in.
-
-    The loop owns accumulation: it marks the last micro-batch as the boundary (see
-    ``AccumulationBoundary``), then steps once, as under every other strategy. With
-    the model's ``hidden_size``, communication overlaps the backward in sized buckets
-    wherever the config leaves them out or says "auto" (``zero_buckets``).
-    """
-    accumulation = train.global_batch_size // (train.micro_batch_size * layout_data_world(layout))
-    ours = {
-        # DeepSpeed counts a batch per rank; the ranks of a context-parallel group share theirs.
-        "train_batch_size": train.micro_batch_size * accumulation * layout.world_size,
-        "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": train.max_norm or 0.0,
-    }
-    if args.config is not None:
-        try:
-            config = json.loads(Path(args.config).read_text())
-        except json.JSONDecodeError as err:
-            raise LitftError(f"--deepspeed.config {args.config} is not valid JSON (line {err.lineno}: {err.msg})") from None
-        for key, value in ours.items():
-            given = config.get(key, "auto")
-            if given != "auto" and given != value:
-                why = ""
-                if key == "train_batch_size" and layout.context_parallel > 1:
-                    why = " (DeepSpeed counts each sample once per rank of a --context_parallel group)"
-                raise LitftError(
-                    f"--deepspeed.config sets {key} to {given} but litft's flags give {value}{why}; set it to \"auto\" or change the flags"
-                )
-            config[key] = value
-    else:
-        zero = {"stage": args.stage}
-        for key, where in (("offload_optimizer", args.offload_optimizer), ("offload_param", args.offload_parameters)):
-            if where is not None:
-                zero[key] = {"device": where, **({"nvme_path": str(args.nvme_path)} if where == "nvme" else {})}
-        config = {**ours, "zero_optimization": zero}
-    for section, enabled in (("bf16", precision.startswith("bf16")), ("fp16", precision.startswith("16"))):
-        given = config.get(section, {}).get("enabled", "auto")
-        if given not in ("auto", enabled):
-            raise LitftError(
-                f"--deepspeed.config sets {section}.enabled to {str(given).lower()} but --precision is {precision}; "
-                f'set it to "auto" or change --precision'
-            )
-        config[section] = {**config.get(section, {}), "enabled": enabled}
-    config.setdefault("zero_optimization", {"stage": 0})
-    zero = config["zero_optimization"]
-    if hidden_size is not None:
-        for key, value in zero_buckets(int(zero.get("stage", 0)), hidden_size).items():
-            if zero.get(key, "auto") == "auto":
-                zero[key] = value
-    if zero.get("stage", 0) == 0:
-        config["gradient_clipping"] = 0.0  # litft clips stage 0 itself (see DeepSpeed.optimizer_step)
-    # litft's AdamW keeps the math identical across strategies; DeepSpeed warns about client optimizers otherwise.
-    config.setdefault("zero_allow_untested_optimizer", True)
-    config.setdefault("zero_force_ds_cpu_optimizer", False)
-    config.setdefault("steps_per_print", 10**9)
-    config.setdefault("wall_clock_breakdown", False)
-    return config
 
 
 class AccumulationBoundary:
@@ -356,84 +272,3 @@ class DeepSpeed(TrainingStrategy):
             low = compute_dtype(precision)
             return (lambda p: low), None  # DeepSpeed casts the module; Fabric adds no autocast
         return super().compute_view(layout, precision)
-
-    @classmethod
-    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
-        return zero_states(tensors, cls.zero_section(layout, precision, train, hidden_size), layout.world_size, precision)
-
-
-def _zero_setting(zero: dict, name: str) -> float:
-    """A ZeRO size from the config, under its name or its stage3_ alias; DeepSpeed's default when absent or "auto"."""
-    for key in (name, f"stage3_{name}"):
-        if zero.get(key, "auto") != "auto":
-            return float(zero[key])
-    return DS_DEFAULTS[name]
-
-
-def zero_states(tensors: List[Param], zero: dict, world: int, precision: str) -> States:
-    """ZeRO's layout: bit16 (or fp32) parameters, an fp32 master partition, Adam on the master, flat buckets."""
-    stage = int(zero.get("stage", 0))
-    half = precision.startswith(("bf16", "16"))  # DeepSpeed then casts the whole module
-    model_bytes = 2 if half else 4
-
-    def stored(t: Param) -> float:
-        return t.itemsize if t.quantized else model_bytes
-
-    def part(numel: int) -> int:
-        return -(-numel // world)
-
-    trained = [t for t in tensors if t.trainable]
-    total_trained = sum(t.numel for t in trained)
-    if stage == 3:  # every parameter is partitioned on its own
-        params = sum(part(t.numel) * stored(t) + t.quant_state for t in tensors)
-        partition = sum(part(t.numel) for t in trained)
-    else:
-        params = sum(t.numel * stored(t) + t.quant_state for t in tensors)
-        partition = part(total_trained)
-    states = States(params=Row(params, note=f"partitions of 1/{world}" if stage == 3 else ""), grads=Row(), optimizer=Row())
-    if stage == 0:
-        states.grads = Row(total_trained * model_bytes)
-        if half:  # DeepSpeed's FP16_Optimizer: an fp32 master copy of the whole model, Adam on it
-            states.optimizer = Row(12 * total_trained + 4, note="fp32 master + AdamW exp_avg + exp_avg_sq")
-            states.step = Row(4 * total_trained, note="fp32 copy of the gradients")
-        else:
-            states.optimizer = whole_model_states(tensors).optimizer
-            states.step = Row(0, note="fused AdamW updates in place")
-    else:
-        # Stage 1 keeps every gradient until the boundary's reduction; 2 and 3 keep their partition.
-        states.grads = Row((total_trained if stage == 1 else partition) * model_bytes, note="" if stage == 1 else f"partition of 1/{world}")
-        states.optimizer = Row(12 * partition + 4, note=f"fp32 master + AdamW exp_avg + exp_avg_sq, 1/{world}")
-        states.step = Row(4 * partition * (2 if half else 1), note="AdamW temporaries on the fp32 partition")
-    _offload(states, zero, params, partition)
-    if stage >= 1:
-        bucket = _zero_setting(zero, "reduce_bucket_size")
-        double = stage < 3 and zero.get("overlap_comm") is True
-        if zero.get("contiguous_gradients", True):
-            note = f"{bucket:.0e} elements" + (" x 2 (overlap_comm)" if double else "")
-            states.buffers.append(("DeepSpeed reduce bucket", Row(bucket * model_bytes * (2 if double else 1), note=note)))
-    if stage == 3:
-        blocks: Dict[str, int] = {}
-        for t in tensors:
-            blocks[t.unit] = blocks.get(t.unit, 0) + t.numel
-        prefetch, live = _zero_setting(zero, "prefetch_bucket_size"), _zero_setting(zero, "max_live_parameters")
-        gathered = min(live, 2 * max(blocks.values(), default=0) + prefetch) * model_bytes
-        threshold = _zero_setting(zero, "param_persistence_threshold")
-        persistent = sum(t.numel * stored(t) for t in tensors if t.numel < threshold)
-        note = "2 blocks + prefetch bucket + small persistent ones"
-        states.buffers.append(("ZeRO-3 gathered parameters", Row(gathered + persistent, note=note)))
-    return states
-
-
-def _offload(states: States, zero: dict, params: float, partition: int) -> None:
-    """Move what ZeRO's offload settings keep off the GPU into the CPU column (NVMe holds it on disk)."""
-    offload_optimizer = (zero.get("offload_optimizer") or {}).get("device")
-    offload_param = (zero.get("offload_param") or {}).get("device")
-    if offload_optimizer in ("cpu", "nvme"):
-        where = "CPU" if offload_optimizer == "cpu" else "NVMe"
-        states.optimizer = Row(0, states.optimizer.gpu if offload_optimizer == "cpu" else 0, f"offloaded to {where}")
-        # The reduced fp32 partition of the gradients lives beside it; the step runs on the CPU.
-        states.grads = Row(0, 4 * partition if offload_optimizer == "cpu" else 0, f"fp32 partition, on {where}")
-        states.step = Row(0, states.step.gpu if offload_optimizer == "cpu" else 0)
-    if offload_param in ("cpu", "nvme"):
-        where = "CPU" if offload_param == "cpu" else "NVMe"
-        states.params = Row(0, params if offload_param == "cpu" else 0, f"partitions offloaded to {where}")

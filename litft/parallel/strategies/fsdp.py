@@ -7,9 +7,8 @@ with gloo too, so every sharding strategy is tested in CI.
 import functools
 import importlib
 import inspect
-import math
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,15 +17,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from litft.cluster import process_group_timeout
-from litft.config import Layout, TrainArgs
-from litft.device import compute_dtype, element_size
+from litft.config import Layout
+from litft.device import compute_dtype
 from litft.errors import LitftError
-from litft.memory import Param, Row, States
 from litft.experts import experts_modules
-from litft.parallel.expert import expert_data_mesh, local_share, split_experts
+from litft.parallel.expert import expert_data_mesh, split_experts
 from litft.parallel.mesh import Mesh
 from litft.parallel.strategies.base import Fill, TrainingStrategy
-from litft.parallel.tensor import clip_by_global_norm, parallelize_block, split_over_tensor_parallel, sum_partial_gradients
+from litft.parallel.tensor import clip_by_global_norm, parallelize_block, sum_partial_gradients
 from litft.weights import transformer_blocks
 
 
@@ -255,70 +253,3 @@ class FSDP(TrainingStrategy):
             low = compute_dtype(precision)
             return (lambda p: low), None  # MixedPrecisionPolicy gathers parameters in the compute dtype
         return super().compute_view(layout, precision)
-
-    @classmethod
-    def memory_layout(cls, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
-        fsdp, shard = layout.fsdp, cls.data_groups(layout)[1]
-        mixed = precision.endswith("-mixed")
-        low = element_size(compute_dtype(precision))
-        trained = [t for t in tensors if t.trainable]
-        tp = layout.tensor_parallel
-        # A tensor-parallel split comes first (whole heads per rank), FSDP shards what a rank keeps.
-        kept = {t.name: 1 / tp if tp > 1 and split_over_tensor_parallel(t.name) else 1.0 for t in tensors}
-        local = {t.name: local_elements(t, shard) * kept[t.name] for t in tensors}
-        # An expert group's experts are sharded over the ranks holding the same ones: 1/N of them over 1/N as many
-        # ranks, the same share of each tensor, but FSDP gathers (and reduces) only this rank's experts.
-        gathered_share = {name: share * local_share(name, layout.expert_parallel) for name, share in kept.items()}
-        grads = sum(local[t.name] * t.itemsize for t in trained)
-        ep = layout.expert_parallel
-        params = Row(sum(local[t.name] * t.itemsize + t.quant_state for t in tensors), note=", ".join(filter(None, [
-            f"blocks split 1/{tp}" if tp > 1 else "", f"experts dealt out 1/{ep}" if ep > 1 else "", f"shards of 1/{shard}" if shard > 1 else ""])))
-        optimizer = Row(2 * grads + 4 * len(trained), note="AdamW exp_avg + exp_avg_sq of the shards")
-        states = States(params=params, grads=Row(grads), optimizer=optimizer, step=Row(0, note="fused AdamW updates in place"))
-        if fsdp.cpu_offload:
-            states.params = params.moved_to_cpu("sharded, offloaded to CPU")
-            states.grads = states.grads.moved_to_cpu("sharded, offloaded to CPU")
-            states.optimizer = optimizer.moved_to_cpu("AdamW steps on the CPU")
-            states.step = states.step.moved_to_cpu("")
-        units, trained_units = _unit_sizes(tensors, low if mixed else None, gathered_share)
-        root = units.pop("root", 0)
-        if fsdp.sharding_strategy == "SHARD_GRAD_OP":
-            gathered, how = root + sum(units.values()), "every unit stays gathered from forward to backward"
-        else:
-            # Units run in order (embeddings, blocks, head); the one in use and the next, prefetched, are
-            # gathered together. The root is never resharded between forward and backward.
-            blocks = sorted((u for u in units if u.startswith("block.")), key=lambda u: int(u.split(".")[1]))
-            order = [units[u] for u in ("embeddings", *blocks, "head") if u in units]
-            pairs = [a + b for a, b in zip(order, order[1:])] or order
-            gathered, how = root + max(pairs, default=0), "root + the unit in use + the next, prefetched"
-        states.buffers.append(("FSDP all-gathered parameters", Row(gathered, note=how)))
-        reduce_bytes = 4 if mixed else low
-        biggest = max(trained_units.values(), default=0)
-        # Under accumulation the reduced shard is a buffer of its own until it is added to the earlier micro-batches' sum.
-        reduced = biggest * (low + reduce_bytes + reduce_bytes / shard)
-        states.buffers.append(("FSDP reduce-scatter", Row(reduced, note="one unit's unsharded gradients and their reduced shard")))
-        return states
-
-
-def local_elements(t: Param, shard: int) -> int:
-    """Elements of ``t`` on rank 0 of its shard group: FSDP2 chunks dim 0 and rank 0 gets the first (largest) chunk."""
-    if shard == 1 or t.quantized:  # 4-bit weights are ignored by FSDP and stay whole
-        return t.numel
-    rows = t.shape[0] if t.shape else 1
-    return min(rows, math.ceil(rows / shard)) * (t.numel // max(rows, 1))
-
-
-def _unit_sizes(tensors: List[Param], gathered_itemsize: Optional[int], kept: Dict[str, float]) -> Tuple[Dict[str, float], Dict[str, float]]:
-    """Bytes of every unit when gathered (in the compute dtype under mixed precision), and trained elements per unit.
-
-    ``kept``: the share of each tensor a rank's FSDP gathers (less than all of it where tensor parallel split it).
-    """
-    units: Dict[str, float] = {}
-    trained: Dict[str, float] = {}
-    for t in tensors:
-        if t.quantized:
-            continue
-        units[t.unit] = units.get(t.unit, 0) + t.numel * kept[t.name] * (gathered_itemsize or t.itemsize)
-        if t.trainable:
-            trained[t.unit] = trained.get(t.unit, 0) + t.numel * kept[t.name]
-    return units, trained
