@@ -7,7 +7,8 @@ import torch
 
 from litft.build import enable_checkpointing
 from litft.errors import LitftError
-from litft.flops import PEAK_TFLOPS, device_key, flops_per_token, mfu, peak_flops, precision_key
+from litft.flops import flops_per_token
+from litft.peaks import PEAK_TFLOPS, device_key, mfu, peak_flops, precision_key
 
 MODELS = Path(__file__).resolve().parents[2] / "config_hub" / "models"
 SEQ, BATCH = 64, 2
