@@ -250,7 +250,7 @@ class ObjectiveArgs:
         return self.name in ("dpo", "ipo")
 
     @property
-    def strength(self) -> float:
+    def effective_beta(self) -> float:
         return DEFAULT_BETA[self.name] if self.beta is None else self.beta
 
     def check(self, lora: bool) -> None:

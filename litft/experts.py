@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import torch
 
 CHOSEN = "grouped_mm"
-SPLIT = "_litft_expert_split"  # (group, size, place) on an experts module dealt out over a group (litft.parallel.expert)
+DEALT = "_litft_experts_dealt"  # (group, size, place) on an experts module dealt out over a group (litft.parallel.expert)
 ADAPTERS = "_litft_expert_adapters"  # [(tensor name, peft ParamWrapper)] on an experts module with LoRA (litft.parallel.expert)
 
 
@@ -62,7 +62,7 @@ def describe(model: torch.nn.Module, device_type: str, dtype: torch.dtype) -> Op
         return None
     chosen = model.config._experts_implementation
     first = experts_modules(model)[0]
-    split, adapters = getattr(first, SPLIT, None), getattr(first, ADAPTERS, None)
+    split, adapters = getattr(first, DEALT, None), getattr(first, ADAPTERS, None)
     if split is None and adapters is None:
         how = f" with {grouped_kernel(device_type, dtype)}" if chosen == "grouped_mm" else ""
         return f"experts: {chosen}{how}"
@@ -104,7 +104,7 @@ class ExpertLoad:
 
     def __init__(self, layers: List[torch.nn.Module]):
         self.layers = layers
-        split = getattr(layers[0], SPLIT, None) if layers else None
+        split = getattr(layers[0], DEALT, None) if layers else None
         self.groups = split[1] if split is not None else 1  # ranks the experts are dealt out over (expert parallel)
         self.counts: Optional[torch.Tensor] = None  # (layers, experts)
         self.handles = [layer.register_forward_pre_hook(self._counter(i), with_kwargs=True) for i, layer in enumerate(layers)]

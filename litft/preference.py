@@ -39,7 +39,7 @@ def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
 
 def pair_losses(objective: ObjectiveArgs, policy: torch.Tensor, lengths: torch.Tensor, reference: Optional[torch.Tensor]):
     """Each pair's loss, rewards (pairs, 2) and the log-probs the objective compares (pairs, 2)."""
-    beta, smoothing = objective.strength, objective.label_smoothing
+    beta, smoothing = objective.effective_beta, objective.label_smoothing
     name = objective.name
     if name == "dpo":
         h = (policy[:, 0] - policy[:, 1]) - (reference[:, 0] - reference[:, 1])

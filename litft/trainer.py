@@ -44,11 +44,11 @@ from litft.logs import close_loggers, continue_logs, log_config, make_loggers, q
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
 from litft.model import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
-from litft.parallel.context import check_heads
-from litft.parallel.expert import check_model as check_experts
+from litft.parallel.context import check_context_parallel
+from litft.parallel.expert import check_expert_parallel
 from litft.parallel.mesh import Mesh
 from litft.parallel.strategies import checked_strategy_class
-from litft.parallel.tensor import check_model
+from litft.parallel.tensor import check_tensor_parallel
 from litft.plot import plot_losses
 from litft.preference import REFERENCE_FILE, attach_reference, score_pairs
 from litft.profiling import StepProfiler
@@ -106,11 +106,11 @@ class Trainer:
                   tensor_parallel=layout.tensor_parallel)
         check_architecture(load_config(resolve_model(spec.model)))  # before any process starts
         if layout.context_parallel > 1:
-            check_heads(load_config(resolve_model(spec.model)), layout.context_parallel)  # before any process starts
+            check_context_parallel(load_config(resolve_model(spec.model)), layout.context_parallel)  # before any process starts
         if layout.expert_parallel > 1:
-            check_experts(load_config(resolve_model(spec.model)), layout.expert_parallel)
+            check_expert_parallel(load_config(resolve_model(spec.model)), layout.expert_parallel)
         if layout.tensor_parallel > 1:
-            check_model(load_config(resolve_model(spec.model)), layout.tensor_parallel, spec.lora.quantize if spec.lora else None)
+            check_tensor_parallel(load_config(resolve_model(spec.model)), layout.tensor_parallel, spec.lora.quantize if spec.lora else None)
         strategy = chosen(layout, accelerator, precision, spec.train, Mesh.of(layout, chosen))
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),

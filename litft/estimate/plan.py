@@ -16,10 +16,10 @@ from litft.logs import quiet_libraries
 from litft.memory import GiB, Row
 from litft.model import check_architecture, load_config, resolve_model
 from litft.parallel.mesh import layout_data_world
-from litft.parallel.context import check_heads
-from litft.parallel.expert import check_model as check_experts, is_expert_tensor
+from litft.parallel.context import check_context_parallel
+from litft.parallel.expert import check_expert_parallel, is_expert_tensor
 from litft.parallel.strategies import checked_strategy_class
-from litft.parallel.tensor import check_model, one_rank_of
+from litft.parallel.tensor import check_tensor_parallel, one_rank_of
 
 # Memory as torch.cuda reports total_memory, in GiB (a little under the marketed size).
 GPUS = {
@@ -113,9 +113,9 @@ def plan_memory(flags: dict) -> dict:
         source = str(Path(source).parent)
     config = load_config(resolve_model(source))
     check_architecture(config)
-    check_heads(config, layout.context_parallel)
-    check_model(config, layout.tensor_parallel, flags["quantize"])
-    check_experts(config, layout.expert_parallel)
+    check_context_parallel(config, layout.context_parallel)
+    check_tensor_parallel(config, layout.tensor_parallel, flags["quantize"])
+    check_expert_parallel(config, layout.expert_parallel)
     if flags["attention"] is not None:
         config._attn_implementation = flags["attention"]
     frozen_dtype = strategy.frozen_base_dtype(precision)

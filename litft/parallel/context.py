@@ -30,7 +30,7 @@ from litft.errors import LitftError
 MARK = "litft_context"  # the varlen key that carries the context group to attention (generation's batches have none)
 
 
-def check_heads(config, size: int) -> None:
+def check_context_parallel(config, size: int) -> None:
     """One line when the model's attention heads cannot be dealt out over the group."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal configs keep it apart
     heads = getattr(text, "num_attention_heads", None)

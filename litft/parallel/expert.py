@@ -35,12 +35,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from litft.errors import LitftError
-from litft.experts import ADAPTERS, PROJECTIONS, SPLIT, count_per_expert, expert_count, experts_modules, is_experts
+from litft.experts import ADAPTERS, PROJECTIONS, DEALT, count_per_expert, expert_count, experts_modules, is_experts
 
 BIASES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
 
-def check_model(config, size: int) -> None:
+def check_expert_parallel(config, size: int) -> None:
     """One line when the model's experts cannot be dealt out over ``size`` ranks."""
     if size == 1:
         return
@@ -65,7 +65,7 @@ def expert_tensors(module: torch.nn.Module) -> List[str]:
     return [name for name in PROJECTIONS + BIASES if isinstance(getattr(module, name, None), torch.nn.Parameter)]
 
 
-def split_experts(module: torch.nn.Module, mesh) -> None:
+def deal_out_experts(module: torch.nn.Module, mesh) -> None:
     """Keep this rank's experts of ``module`` (already filled, whole) as DTensor shards on ``mesh`` (1-D, the expert group)."""
     size, place = mesh.size(), mesh.get_local_rank()
     for name in expert_tensors(module):
@@ -73,7 +73,7 @@ def split_experts(module: torch.nn.Module, mesh) -> None:
         mine = whole.detach().chunk(size, dim=0)[place].clone()
         split = DTensor.from_local(mine, mesh, [Shard(0)], run_check=False)
         setattr(module, name, torch.nn.Parameter(split, requires_grad=whole.requires_grad))
-    setattr(module, SPLIT, (mesh.get_group(), size, place))
+    setattr(module, DEALT, (mesh.get_group(), size, place))
     take_over_forward(module)
 
 
@@ -156,7 +156,7 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts interface (tokens, each token's top-k experts and weights), with the experts split or adapted."""
-    group, size, place = getattr(self, SPLIT, (None, 1, 0))
+    group, size, place = getattr(self, DEALT, (None, 1, 0))
     tokens, top_k = top_k_index.shape
     total = expert_count(self)
     mine = total // size

@@ -116,13 +116,13 @@ class Mesh:
         return DataPlace(self.context, (rank // self.tensor) % self.context, rank // shared, self.data_world, self.tensor,
                          self.built.get("context"))
 
-    def dense(self) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    def dense_dims(self) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
         """FSDP's mesh, (replicate, shard) or (replicate, shard, tensor): shape and dimension names."""
         if self.tensor > 1:
             return (self.replicas, self.shard, self.tensor), ("replicate", "shard", "tensor")
         return (self.replicas, self.shard), ("replicate", "shard")
 
-    def experts(self) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+    def expert_dims(self) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
         """The experts' mesh over the same ranks: each shard group cut into expert groups of consecutive ranks."""
         if self.replicas > 1:
             return (self.replicas, self.shard // self.expert, self.expert), ("replicate", "expert_shard", "expert")
@@ -138,10 +138,10 @@ class Mesh:
             return self
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape, names = self.dense()
+        shape, names = self.dense_dims()
         self.built["dense"] = init_device_mesh(device_type, shape, mesh_dim_names=names)
         if self.expert > 1:
-            shape, names = self.experts()
+            shape, names = self.expert_dims()
             self.built["experts"] = init_device_mesh(device_type, shape, mesh_dim_names=names)
         if self.context > 1:
             rank = dist.get_rank()

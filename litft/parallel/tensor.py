@@ -46,7 +46,7 @@ PLAN_KINDS = {
 SUMMED = "_litft_grad_summed_over_tensor_parallel"  # set on modules whose parameters' gradients are partial on each rank
 
 
-def check_model(config, size: int, quantize: Optional[str] = None) -> None:
+def check_tensor_parallel(config, size: int, quantize: Optional[str] = None) -> None:
     """One line when the model cannot be split over ``size`` ranks: whole heads and an even MLP on every rank, no 4-bit base."""
     if size == 1:
         return

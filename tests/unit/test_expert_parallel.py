@@ -100,10 +100,10 @@ def test_lora_on_experts_of_any_rank_in_bf16():
 
 def test_the_experts_mesh_and_the_share_a_rank_holds():
     one_node = Mesh.of(Layout("fsdp", 8, 1, FSDPArgs(), DeepSpeedArgs(), expert_parallel=2), FSDP)
-    assert one_node.experts() == ((4, 2), ("expert_shard", "expert")) and one_node.dense() == ((1, 8), ("replicate", "shard"))
+    assert one_node.expert_dims() == ((4, 2), ("expert_shard", "expert")) and one_node.dense_dims() == ((1, 8), ("replicate", "shard"))
     two_node_layout = Layout("fsdp", 4, 2, FSDPArgs(), DeepSpeedArgs(), context_parallel=2, expert_parallel=4)
     two_nodes = Mesh.of(two_node_layout, FSDP)
-    assert two_nodes.experts() == ((2, 1, 4), ("replicate", "expert_shard", "expert"))
+    assert two_nodes.expert_dims() == ((2, 1, 4), ("replicate", "expert_shard", "expert"))
     assert two_nodes.describe() == "mesh: replicate 2 x shard 4 (context groups of 2, expert groups of 4)" and two_nodes.data_world == 4
     assert local_share("model.layers.3.mlp.experts.gate_up_proj", 4) == 0.25
     assert local_share("model.layers.3.mlp.experts.down_proj_bias", 2) == 0.5

@@ -32,7 +32,7 @@ def pairs(tokenizer):
 
 def independent_loss(objective: ObjectiveArgs, pc, pr, rc, rr, nc, nr):
     """One pair's loss from the papers' formulas, written apart from litft.preference (sigmoid and log, not logsigmoid)."""
-    beta, eps, sig = objective.strength, objective.label_smoothing, torch.sigmoid
+    beta, eps, sig = objective.effective_beta, objective.label_smoothing, torch.sigmoid
     if objective.name == "dpo":
         x = beta * ((pc - pr) - (rc - rr))
         return -(1 - eps) * torch.log(sig(x)) - eps * torch.log(sig(-x))
@@ -65,7 +65,7 @@ def independent_figures(objective, pc, pr, rc, rr, nc, nr):
     DPO: beta times the summed log-prob's gain over the reference; IPO the same per token; SimPO and ORPO, which have no
     reference, beta times the mean log-prob. The log-probs are the summed ones for DPO, the per-token means otherwise.
     """
-    beta = objective.strength
+    beta = objective.effective_beta
     if objective.name == "dpo":
         return beta * (pc - rc), beta * (pr - rr), pc, pr
     if objective.name == "ipo":
@@ -304,7 +304,7 @@ def test_impossible_objective_flags_are_one_line(change, message):
     with pytest.raises(LitftError, match="a frozen second copy of the model is not built"):
         ObjectiveArgs(name="dpo", precompute_reference=False).check(lora=False)
     assert ObjectiveArgs(name="dpo").reference_precomputed(lora=False) and not ObjectiveArgs(name="dpo").reference_precomputed(lora=True)
-    assert math.isclose(ObjectiveArgs(name="simpo").strength, 2.0)
+    assert math.isclose(ObjectiveArgs(name="simpo").effective_beta, 2.0)
 
 
 def test_estimate_counts_both_sequences_of_a_pair_and_names_the_reference(tiny_dir):

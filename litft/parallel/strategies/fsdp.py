@@ -21,7 +21,7 @@ from litft.config import Layout
 from litft.device import compute_dtype
 from litft.errors import LitftError
 from litft.experts import experts_modules
-from litft.parallel.expert import expert_data_mesh, split_experts
+from litft.parallel.expert import expert_data_mesh, deal_out_experts
 from litft.parallel.mesh import Mesh
 from litft.parallel.strategies.base import Fill, TrainingStrategy
 from litft.parallel.tensor import clip_by_global_norm, parallelize_block, sum_partial_gradients
@@ -142,7 +142,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
             if tensor and id(unit) in blocks:
                 parallelize_block(unit, mesh["tensor"], module.hf_model.config)
             for experts in experts_modules(unit) if expert_options is not None else ():
-                split_experts(experts, self.expert_mesh["expert"])
+                deal_out_experts(experts, self.expert_mesh["expert"])
                 fully_shard(experts, **expert_options)
             fully_shard(unit, **options)
         self.fill(module)
