@@ -2,7 +2,7 @@
 
 Each is small enough to run in a unit test and sharp enough (initializer_range 0.2,
 windows shorter than the samples) that dropping a feature of its attention or head
-shows in the loss. The list is the one the conformance test runs and the README's
+shows in the loss. The list is the one the conformance test runs and docs/models.md's
 table is written from.
 """
 
@@ -154,11 +154,11 @@ def attention_path(architecture: Architecture) -> str:
 
 
 def table() -> str:
-    """The README's table of architectures: what the conformance test checks, and what each runs under CP and TP."""
+    """docs/models.md's table of architectures: what the conformance test checks, and what each runs under CP and TP."""
     from litft.errors import LitftError
     from litft.model import check_architecture
-    from litft.parallel.context import check_heads
-    from litft.parallel.tensor import check_model
+    from litft.parallel.context import check_context_parallel
+    from litft.parallel.tensor import check_tensor_parallel
 
     def verdict(check, config) -> str:
         try:
@@ -176,8 +176,8 @@ def table() -> str:
         except Exception as err:  # noqa: BLE001
             rows.append(f"| {a.name} (`{a.config}`) | {a.features} | refused: {str(err).split(': ', 1)[-1].split(';')[0]} | | | |")
             continue
-        rows.append(f"| {a.name} (`{a.config}`) | {a.features or '-'} | {attention_path(a)} | yes | {verdict(check_heads, config)} | "
-                    f"{verdict(check_model, config)} |")
+        rows.append(f"| {a.name} (`{a.config}`) | {a.features or '-'} | {attention_path(a)} | yes | {verdict(check_context_parallel, config)} | "
+                    f"{verdict(check_tensor_parallel, config)} |")
     return "\n".join(rows)
 
 

@@ -146,29 +146,29 @@ def test_context_and_tensor_parallel_refuse_what_they_cannot_split(folders):
     names, a plan style litft does not know, and a per-head norm beside split heads with no plan for its gradient."""
     from transformers import AutoConfig
 
-    from litft.parallel.context import check_heads
-    from litft.parallel.tensor import check_model
+    from litft.parallel.context import check_context_parallel
+    from litft.parallel.tensor import check_tensor_parallel
 
     config = lambda name: load_config(str(folders[name]))  # noqa: E731
     for name in ("llama", "mistral (window)", "gemma2", "qwen3-moe", "qwen3", "phi3", "olmo2", "gpt-neox"):
-        check_heads(config(name), 2)
-        check_model(config(name), 2)
+        check_context_parallel(config(name), 2)
+        check_tensor_parallel(config(name), 2)
     with pytest.raises(LitftError, match="--context_parallel deals attention heads .*sinks"):
-        check_heads(config("gpt-oss"), 2)
+        check_context_parallel(config("gpt-oss"), 2)
     with pytest.raises(LitftError, match="--tensor_parallel splits attention heads, and gpt_oss's per-head .*sinks"):
-        check_model(config("gpt-oss"), 2)
+        check_tensor_parallel(config("gpt-oss"), 2)
     planless = config("qwen3")
     planless.base_model_tp_plan = None  # Llama's names then split the heads, and q_norm would get one rank's gradient
     with pytest.raises(LitftError, match="splits qwen3's heads, and self_attn.q_norm .* no plan for its gradient"):
-        check_model(planless, 2)
+        check_tensor_parallel(planless, 2)
     odd = config("llama")
     odd.base_model_tp_plan = {**odd.base_model_tp_plan, "layers.*.self_attn.o_proj": "rowwise_sequence"}
     with pytest.raises(LitftError, match="does not know the style 'rowwise_sequence'"):
-        check_model(odd, 2)
+        check_tensor_parallel(odd, 2)
     neither = AutoConfig.for_model("gpt_neox", **{k: v for k, v in config("gpt-neox").to_dict().items() if k != "model_type"})
     neither.base_model_tp_plan = None
     with pytest.raises(LitftError, match="needs a tensor-parallel plan .* and gpt_neox has neither"):
-        check_model(neither, 2)
+        check_tensor_parallel(neither, 2)
 
 
 def test_tensor_parallel_splits_as_the_models_plan_says(folders):
@@ -222,12 +222,12 @@ def test_router_load_balancing_loss_is_added_as_transformers_adds_it(folders, tm
     assert shape.intermediate == 2 * 32 and shape.router == 4  # top-2 of 4 experts of width 32
 
 
-def test_readme_table_is_the_one_the_list_gives():
+def test_models_page_table_is_the_one_the_list_gives():
     from pathlib import Path
 
     from tests.architectures import table
 
-    assert table() in (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert table() in (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
 
 
 def test_a_checkpoint_missing_a_tensor_is_refused_in_one_line(folders, tmp_path):
