@@ -117,12 +117,50 @@ def nearest_flag(parser, unknown: str) -> Optional[str]:
     return "--" + found[0] if found else None
 
 
+def data_classes() -> dict:
+    """Every ``--data`` choice by name, and its options."""
+    from litft.data.base import DataModule
+
+    found, stack = {}, list(DataModule.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack += cls.__subclasses__()
+        if dataclasses.is_dataclass(cls):
+            found[cls.__name__] = [f.name for f in dataclasses.fields(cls)]
+    return found
+
+
+def data_option_error(message: str) -> Optional[str]:
+    """jsonargparse's union message for a --data.X the data class does not take, as what to change (None for other messages)."""
+    match = re.search(r"Problem with given class_path '[\w.]*?(\w+)': Option '(\w+)' is not accepted", message)
+    if match is None:
+        return None
+    chosen, option = match.groups()
+    classes = data_classes()
+    owners = sorted(name for name, options in classes.items() if option in options)
+    if owners:
+        return (f"--data.{option} is an option of --data {' / '.join(owners)}, not of {chosen} (this run's data); "
+                f"add --data {owners[0]} before it")
+    near = difflib.get_close_matches(option, classes.get(chosen, []), n=1, cutoff=0.6)
+    hint = f"; did you mean --data.{near[0]}?" if near else f"; its options: {', '.join(classes.get(chosen, []))}"
+    return f"--data {chosen} has no option {option}{hint}"
+
+
 class OneLineErrors(ArgumentParser):
-    """jsonargparse's parser, reporting a bad flag in one line instead of the whole usage text."""
+    """jsonargparse's parser, reporting a bad flag in one line instead of the whole usage text, and taking no prefix of a
+    flag for the flag (``--train.max_step`` is refused with the suggestion, not run as ``--train.max_steps``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message, ex=None):
         if not self.exit_on_error:
             return super().error(message, ex)
+        data = data_option_error(" ".join(str(message).split()))
+        if data is not None:
+            print(f"litft: error: {data}", file=sys.stderr)
+            sys.exit(2)
         parser = getattr(ex, "subcommand_parser", None) or self
         unrecognized = re.search(r"unrecognized arguments: (.*)", str(message), re.IGNORECASE)
         if unrecognized:

@@ -134,6 +134,9 @@ def test_unknown_flags_are_named_before_anything_runs(tmp_path, capsys, monkeypa
         (["--fp8", "tensorwise", "--precision", "bf16-true", "--accelerator", "cpu"], "--fp8 needs a GPU with FP8 matmuls"),
         (["--fp8", "tensorwise", "--precision", "32-true"], "--fp8 casts bf16 matmuls to FP8; use --precision bf16-true or bf16-mixed"),
         (["--fp8", "columnwise"], "--fp8"),
+        (["--train.max_step", "3"], "unknown flag --train.max_step; did you mean --train.max_steps?"),
+        (["--data.json_path", "x.json"], "--data.json_path is an option of --data JSON, not of TinyTasks (this run's data); add --data JSON before it"),
+        (["--data", "JSON", "--data.json_pth", "x.json"], "--data JSON has no option json_pth; did you mean --data.json_path?"),
         (["--fp8", "rowwise", "--precision", "bf16-true", "--strategy", "deepspeed"], "--fp8 is not supported under DeepSpeed"),
     ],
 )
