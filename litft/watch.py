@@ -14,12 +14,14 @@ from typing import Callable, Dict, Optional
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-# What schedulers send before they kill: SLURM's preemption and time limit (--signal), Kubernetes, torchrun.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What schedulers send before they kill (SLURM's preemption and time limit (--signal), Kubernetes, torchrun), and Ctrl-C.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopSignals:
-    """Notes the first SIGTERM or SIGUSR1, so every rank finishes its step, checkpoints and stops.
+    """Notes the first SIGTERM, SIGUSR1 or Ctrl-C (SIGINT), so every rank finishes its step, checkpoints and stops.
+
+    A second Ctrl-C stops the process at once, with one line and no new checkpoint.
 
     Only one rank needs to receive it: the loop shares the flag in the all-reduce it
     makes before every step, so every rank stops after the same step. Python runs a
@@ -32,6 +34,7 @@ class StopSignals:
 
     def __init__(self, grace: Optional[float] = None, where: Callable[[], str] = lambda: "the run"):
         self.received: Optional[str] = None
+        self._interrupts = 0
         self.grace = float(os.environ.get("LITFT_STOP_GRACE", 120)) if grace is None else grace
         self.where = where
         self.on_hang = lambda: os._exit(1)
@@ -50,7 +53,15 @@ class StopSignals:
         return self
 
     def _note(self, signum, frame=None) -> None:
-        self.received = self.received or signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and frame is not None:  # the Python-level handler, on the main thread (the reader thread passes none)
+            self._interrupts += 1
+            if self._interrupts > 1:
+                print("litft: stopped at once by a second Ctrl-C, without a new checkpoint", file=sys.stderr, flush=True)
+                os._exit(130)
+            print("litft: Ctrl-C: finishing this step and saving a checkpoint to resume from (Ctrl-C again to stop at once)",
+                  file=sys.stderr, flush=True)
+        self.received = self.received or name
 
     def acknowledge(self) -> None:
         """The loop has seen the stop and ends after this step: no deadline any more."""

@@ -55,17 +55,19 @@ def stopped_step(lines, signal_name):
     return step
 
 
-def test_sigterm_finishes_the_step_checkpoints_and_resumes(tmp_path, uninterrupted):
-    """SIGTERM to rank 0 alone: both ranks stop after the same step, with a checkpoint; --resume auto completes the run."""
+def test_ctrl_c_finishes_the_step_checkpoints_and_resumes(tmp_path, uninterrupted):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) stops every rank after the same step, with one line
+    and a checkpoint, no traceback; --resume auto completes the run. SIGTERM takes the same path (tests/unit/test_loop_parts.py)."""
     args = ["finetune_full", *ARGS, "--train.max_steps", "20", "--train.save_interval", "1000", "--devices", "2", "--train.micro_batch_size", "2"]
-    out = tmp_path / "preempted"
+    out = tmp_path / "interrupted"
     proc = subprocess.Popen(
         [sys.executable, "-m", "litft", *args, "--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
     )
-    lines, status = stop_when_step_two_shows(proc, lambda: proc.send_signal(signal.SIGTERM))
-    assert status == 0, "".join(lines)[-3000:]
-    step = stopped_step(lines, "SIGTERM")
+    lines, status = stop_when_step_two_shows(proc, lambda: os.killpg(proc.pid, signal.SIGINT))
+    assert status == 0 and not any("Traceback" in line or "KeyboardInterrupt" in line for line in lines), "".join(lines)[-3000:]
+    assert any(line.startswith("litft: Ctrl-C: finishing this step") for line in lines)
+    step = stopped_step(lines, "SIGINT")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{step:08d}"]
     assert not (out / "final").exists()
     run_cli(*args, "--out_dir", out, "--resume", "auto")
