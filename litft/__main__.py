@@ -23,6 +23,7 @@ from litft.errors import LitftError  # noqa: E402
 from litft.estimate import estimate  # noqa: E402
 from litft.jobs import DEFAULT_DATA_FLAGS, JOBS, PREFERENCE_DATA_FLAGS  # noqa: E402
 from litft.launchers import without_local_rank_argument  # noqa: E402
+from litft.logs import quiet_libraries  # noqa: E402
 from litft.ray_worker import die_with_parent, inside_worker  # noqa: E402
 
 
@@ -186,6 +187,7 @@ def main(argv=None) -> None:
     if inside_worker():
         die_with_parent()  # a Ray worker's training ends with its actor
     configure_jsonargparse()
+    quiet_libraries()  # every command: no loading bars or libraries' advice on the user's screen
     try:
         argv = model_by_position(without_local_rank_argument(sys.argv[1:] if argv is None else list(argv)), parser_jobs())
         argv = bare_booleans(default_data_named(objective_named(argv)), parser_jobs())

@@ -94,6 +94,8 @@ def quiet_libraries() -> None:
     # datasets is quieted where litft imports it (litft.data.hf.hf_datasets).
     # Lightning's CSV logger says this whenever logs/ has files; ContinuingCSVLogger keeps them on purpose.
     warnings.filterwarnings("ignore", message=".*Experiment logs directory .* exists and is not empty.*")
+    # transformers' own name change, said whenever peft or a model asks the old name: advice for them, not the user.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     # DCP says this on every single-process save and load.
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
     # litft joins srun's tasks itself (litft/cluster.py), so Lightning's advice to prepend srun does not apply.

