@@ -17,6 +17,7 @@ from jsonargparse import CLI, ArgumentParser, set_parsing_settings  # noqa: E402
 
 import litft.data  # noqa: E402,F401  (registers the --data choices)
 from litft.chat import chat, generate  # noqa: E402
+from litft.cli_help import short_help  # noqa: E402
 from litft.checkpoint.convert import convert, merge_lora  # noqa: E402
 from litft.envreport import env  # noqa: E402
 from litft.errors import LitftError  # noqa: E402
@@ -188,8 +189,14 @@ def main(argv=None) -> None:
         die_with_parent()  # a Ray worker's training ends with its actor
     configure_jsonargparse()
     quiet_libraries()  # every command: no loading bars or libraries' advice on the user's screen
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 2 and argv[0] in JOBS and argv[1] in ("--help", "-h"):
+        print(short_help(argv[0], JOBS[argv[0]], data_classes()))
+        sys.exit(0)
+    if len(argv) == 3 and argv[0] in JOBS and argv[1:] == ["--help", "all"]:
+        argv = argv[:2]
     try:
-        argv = model_by_position(without_local_rank_argument(sys.argv[1:] if argv is None else list(argv)), parser_jobs())
+        argv = model_by_position(without_local_rank_argument(argv), parser_jobs())
         argv = bare_booleans(default_data_named(objective_named(argv)), parser_jobs())
         CLI(parser_jobs(), args=argv, as_positional=True, parser_class=OneLineErrors, prog="litft")
     except LitftError as err:

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -282,3 +283,17 @@ def test_mix_weights_are_checked(tmp_path, capsys):
     for weights, message in (("[1]", "--data.weights has 1 values for 2 sources"), ("[1, -2]", "--data.weights must be positive")):
         code, err = run_main(["finetune_full", "--data", "Mix", "--data.sources", sources, "--data.weights", weights, "--out_dir", tmp_path / "o"], capsys)
         assert code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_job_help_puts_a_first_runs_flags_first_and_names_the_data_options(capsys):
+    """--help: the flags a first run sets, each --data choice with its options, and where every other flag is (--help all)."""
+    with pytest.raises(SystemExit) as stop:
+        main(["finetune_lora", "--help"])
+    short = capsys.readouterr().out
+    assert stop.value.code == 0 and len(short.splitlines()) < 60
+    for flag in ("MODEL, --model", "--data ", "--lora_r", "--train.micro_batch_size", "--resume"):
+        assert flag in short, flag
+    assert re.search(r"^  JSON\s+json_path, val_path", short, flags=re.M) and "litft finetune_lora --help all" in short
+    with pytest.raises(SystemExit):
+        main(["finetune_lora", "--help", "all"])
+    assert "--deepspeed.nvme_path" in capsys.readouterr().out
