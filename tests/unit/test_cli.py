@@ -297,3 +297,10 @@ def test_job_help_puts_a_first_runs_flags_first_and_names_the_data_options(capsy
     with pytest.raises(SystemExit):
         main(["finetune_lora", "--help", "all"])
     assert "--deepspeed.nvme_path" in capsys.readouterr().out
+
+
+def test_download_without_the_hub_is_one_line(capsys, monkeypatch):
+    """litft download names the model and what to check when the hub cannot be reached (offline here), and writes nothing."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, err = run_main(["download", "some-org/no-such-model"], capsys)
+    assert code == 2 and err.startswith("litft: error: could not download some-org/no-such-model") and len(err.splitlines()) == 1, err
