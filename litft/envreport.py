@@ -86,6 +86,18 @@ def experts_line(device: str) -> str:
     return f"{CHOSEN} with {grouped_kernel(device, dtype)} ({name})"
 
 
+def skipped_strategies(world: int) -> List[str]:
+    """What ``--check`` leaves out on this machine, and why, one line each."""
+    skipped = []
+    if world < 2:
+        skipped.append("DDP: one GPU here, and DDP needs two processes")
+    if not dist.is_available():
+        skipped.append("FSDP: this torch has no torch.distributed")
+    if not installed("deepspeed"):
+        skipped.append("ZeRO-2 and ZeRO-3: DeepSpeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)")
+    return skipped
+
+
 def check_cases() -> tuple:
     """The strategies this machine can run, at its default precision: ``(cases, accelerator, world)``."""
     cuda = torch.cuda.is_available()
@@ -113,6 +125,8 @@ def env(check: bool = False) -> None:
         return
     cases, accelerator, world = check_cases()
     print(f"\nchecking {len(cases)} strategies on {accelerator} ({world} processes where distributed), two steps each:", flush=True)
+    for line in skipped_strategies(world):
+        print(f"skipped  {line}", flush=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="litft-env-check-") as scratch:
         results = run_matrix(cases, Path(scratch), accelerator=accelerator, world=world, timeout=600, say=lambda r: print(summary_line(r), flush=True))

@@ -158,6 +158,10 @@ class Trainer:
                 "add data or lower --train.global_batch_size"
             )
         self.total_steps = spec.train.max_steps if streamed else plan_steps(spec.train, num_train, mean_length(data.train))
+        warmup = spec.train.warmup_steps
+        if warmup >= self.total_steps > 0 and warmup > 0:
+            fabric.print(f"warmup: --train.warmup_steps {warmup} is at least the run's {self.total_steps} steps, so the learning rate peaks at "
+                         f"{self.total_steps / warmup:.0%} of --train.learning_rate and never decays; lower --train.warmup_steps")
         self.watch.at(0, "building the model")
         fabric.seed_everything(spec.seed, verbose=False)
         attention = self.attention

@@ -19,3 +19,15 @@ def test_check_runs_every_strategy_of_a_cpu_machine_on_two_processes():
     assert (accelerator, world) == ("cpu", 2)
     assert [c.strategy for c in cases] == ["single", "ddp", "fsdp", "zero2", "zero3"]
     assert {c.precision for c in cases} == {"32-true"}
+
+
+def test_check_says_what_it_skips_and_why(monkeypatch):
+    """A machine without DeepSpeed, or with one GPU, is told which strategies --check leaves out, not left to wonder."""
+    from litft import envreport
+
+    monkeypatch.setattr(envreport, "installed", lambda package: None if package == "deepspeed" else "1")
+    lines = envreport.skipped_strategies(world=1)
+    assert any(line.startswith("ZeRO-2 and ZeRO-3: DeepSpeed is not installed") for line in lines)
+    assert any(line.startswith("DDP: one GPU here") for line in lines)
+    monkeypatch.setattr(envreport, "installed", lambda package: "1")
+    assert envreport.skipped_strategies(world=2) == []
