@@ -253,7 +253,7 @@ def render(plan: dict) -> str:
     other = acts["without_checkpointing"] if plan["gradient_checkpointing"] else acts["with_checkpointing"]
     line(
         "activations (peak)", rank["activations"],
-        f"{acts['per_layer'] / GiB:.2f} per layer + {acts['outside_layers'] / GiB:.2f} logits/loss; "
+        f"{acts['per_layer'] / GiB:.2f} per layer + {acts['outside_layers'] / GiB:.2f} head, embeddings and loss; "
         f"{other / GiB:.2f} {'without' if plan['gradient_checkpointing'] else 'with'} checkpointing",
     )
     for name, item in rank["buffers"].items():
