@@ -91,18 +91,18 @@ def enable_checkpointing(model) -> None:
 def build_module(
     source: str, precision: str, lora: Optional[LoraArgs], train: TrainArgs, total_steps: int, *, random_init: bool, seed: int, device,
     strategy: TrainingStrategy, attention: Optional[str] = None, compile: bool = False, liger: bool = False, objective: Optional[ObjectiveArgs] = None,
-    fp8: Optional[str] = None,
+    fp8: Optional[str] = None, config=None,
 ) -> Tuple[CausalLM, Fill, bool]:
     """The CausalLM module, the fill that gives its tensors their first values, and whether it is already on ``device``.
 
     The strategy builds the structure (on the meta device, or partitioned as it is
-    built) and says how it is filled.
+    built) and says how it is filled. ``config``: the model's, where the caller read it already.
     """
     quantized = lora is not None and lora.quantize is not None
     # A 4-bit base is loaded whole by transformers unless the strategy quantizes it unit by unit as it fills (ZeRO-3).
     loads_4bit = quantized and not strategy.fills_4bit
     model = build_model(
-        load_config(source), precision, lora, train.gradient_checkpointing, source=source if loads_4bit else None, device=device,
+        config if config is not None else load_config(source), precision, lora, train.gradient_checkpointing, source=source if loads_4bit else None, device=device,
         attention=attention, structure=skeleton if quantized else strategy.structure, liger=liger, dtype=strategy.model_dtype,
         frozen_dtype=strategy.frozen_base_dtype(precision), fp8=fp8, fp8_all_gather=fp8 == "tensorwise" and strategy.gathers_fp8,
     )

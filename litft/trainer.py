@@ -73,9 +73,10 @@ def plan_steps(train, num_samples: int, mean_tokens: float) -> int:
 class Trainer:
     """Owns a run's fabric, strategy, module, optimizer, scheduler, data, checkpointer and meter."""
 
-    def __init__(self, spec: RunSpec, fabric, strategy, precision: str, attention: str, compiling: CompileChoice = CompileChoice(False, "")):
+    def __init__(self, spec: RunSpec, fabric, strategy, precision: str, attention: str, compiling: CompileChoice = CompileChoice(False, ""),
+                 config=None):
         self.spec, self.fabric, self.strategy, self.precision, self.attention = spec, fabric, strategy, precision, attention
-        self.compiling = compiling
+        self.compiling, self.config = compiling, config
         self.state = LoopState()
         self.context = strategy.mesh.place(fabric.global_rank)  # which samples this rank takes, and its slice of them
         self.stops = StopRequests()
@@ -104,13 +105,14 @@ class Trainer:
                                    expert_parallel=layout.expert_parallel)
         check_fp8(spec.fp8, accelerator, precision, quantize=spec.lora.quantize if spec.lora else None, strategy_name=chosen.name,
                   tensor_parallel=layout.tensor_parallel)
-        check_architecture(load_config(resolve_model(spec.model)))  # before any process starts
+        config = load_config(resolve_model(spec.model))  # the model's description, read once: every check and the build take it
+        check_architecture(config)  # before any process starts
         if layout.context_parallel > 1:
-            check_context_parallel(load_config(resolve_model(spec.model)), layout.context_parallel)  # before any process starts
+            check_context_parallel(config, layout.context_parallel)
         if layout.expert_parallel > 1:
-            check_expert_parallel(load_config(resolve_model(spec.model)), layout.expert_parallel)
+            check_expert_parallel(config, layout.expert_parallel)
         if layout.tensor_parallel > 1:
-            check_tensor_parallel(load_config(resolve_model(spec.model)), layout.tensor_parallel, spec.lora.quantize if spec.lora else None)
+            check_tensor_parallel(config, layout.tensor_parallel, spec.lora.quantize if spec.lora else None)
         strategy = chosen(layout, accelerator, precision, spec.train, Mesh.of(layout, chosen))
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
@@ -128,7 +130,7 @@ class Trainer:
             map_large_host_allocations()
         if batch_note:
             fabric.print(batch_note)
-        return cls(spec, fabric, strategy, precision, attention, compiling)
+        return cls(spec, fabric, strategy, precision, attention, compiling, config)
 
     def prepare(self) -> None:
         """Data and tokenizer (rank 0 first), the model built, filled and wrapped, the checkpointer, a resume."""
@@ -169,7 +171,7 @@ class Trainer:
         fabric.print(self.compiling.line())
         self.lm, fill, on_device = build_module(
             source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed,
-            device=fabric.device, strategy=self.strategy, attention=attention, compile=self.compiling.enabled, fp8=spec.fp8,
+            device=fabric.device, strategy=self.strategy, attention=attention, compile=self.compiling.enabled, fp8=spec.fp8, config=self.config,
             liger=choose_kernels(spec.kernels, fabric.device.type), objective=spec.objective,
         )
         if spec.fp8 is not None:
