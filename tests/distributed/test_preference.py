@@ -71,7 +71,7 @@ def test_sharded_preference_runs_match_one_process(case, runs, single):
     ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     assert ours.keys() == theirs.keys()
     for key in ours:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=1e-4, msg=key)
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-4, msg=key)
 
 
 def test_hybrid_shard_over_two_launches_with_context_parallel_matches_one_process(single, tmp_path):
@@ -93,7 +93,7 @@ def test_hybrid_shard_over_two_launches_with_context_parallel_matches_one_proces
     assert figures(tmp_path) == pytest.approx(figures(reference), rel=1e-4, abs=1e-6)
     ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
     for key in ours:
-        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=1e-4, msg=key)
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=1e-4, msg=key)
 
 
 def test_a_precomputed_reference_resumes_without_scoring_again(runs, single):
