@@ -11,7 +11,9 @@ line instead of training twice the same ranks.
 """
 
 import os
+import random
 import re
+import socket
 from typing import Dict, List
 
 from litft.errors import LitftError
@@ -117,3 +119,16 @@ def without_local_rank_argument(argv: List[str], env=None) -> List[str]:
             kept.append(arg)
     return kept
 
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on ``host``, below the ephemeral range (32768 and up) that the system hands out for outgoing
+    connections, gloo's among them: a port taken from that range can be reused by one before the store listens on it."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port

@@ -9,12 +9,13 @@ training process even starts, so nothing here imports them.
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from litft.launchers import free_port
 
 CONFIG = "{run_config}"  # replaced by the path of the run's flags on the worker's machine
 
@@ -33,12 +34,6 @@ def die_with_parent() -> None:
         os._exit(1)  # the actor died before the line above took effect
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class RayWorker:
     """A Ray actor that starts one rank's litft process, forwards signals to it and reports how it ended."""
 
@@ -53,7 +48,7 @@ class RayWorker:
         """Where this worker runs: its machine's address, the GPUs Ray gave it, and a free port there."""
         import ray  # the actor runs where Ray is installed
 
-        return {"ip": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()], "port": free_port()}
+        return {"ip": ray.util.get_node_ip_address(), "gpus": [str(g) for g in ray.get_gpu_ids()], "port": free_port(host="")}
 
     def run(self, argv: List[str], env: Dict[str, str], cwd: str, config_text: str) -> Tuple[int, Optional[str]]:
         """Run litft to its end; its exit status and the last ``litft: error:`` line it printed."""

@@ -19,9 +19,7 @@ its bf16 module under both bf16 precisions), and that of a LoRA run's frozen bas
 import itertools
 import json
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +27,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
+
+from litft.launchers import free_port
 
 JOB_NAMES = ("pretrain", "finetune_full", "finetune_lora", "finetune_qlora")
 STRATEGY_NAMES = ("single", "fsdp", "zero2", "zero3")  # ddp also runs: Case(job, "ddp", precision)
@@ -209,19 +209,6 @@ def run_case(case: Case, out_dir: Path, accelerator: str, world: int, rendezvous
 
 def _finite(value: float) -> bool:
     return value == value and abs(value) != float("inf")
-
-
-def free_port() -> int:
-    """A port free now on 127.0.0.1, below the ephemeral range that gloo's own connections take ports from."""
-    rng = random.Random()
-    while True:
-        port = rng.randrange(20000, 30000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
 
 
 def case_port(root: Path, index: int, rank: str, timeout: float = 600) -> int:

@@ -6,7 +6,6 @@ objective here: they differ only in the formula applied to the same per-pair sum
 """
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.batch import Batch
+from litft.launchers import free_port
 from tests.conftest import ROOT, read_metrics, step_losses
 
 COMMON = [
@@ -80,9 +80,7 @@ def test_hybrid_shard_over_two_launches_with_context_parallel_matches_one_proces
     job, flags = JOBS["full-dpo"]
     args = [sys.executable, "-m", "litft", job, *COMMON, *flags, "--strategy", "fsdp", "--devices", "2", "--num_nodes", "2",
             "--context_parallel", "2", "--train.micro_batch_size", "2", "--out_dir", str(tmp_path)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     nodes = [subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(rank))) for rank in (1, 0)]
     logs = [node.communicate(timeout=400)[0] for node in nodes]

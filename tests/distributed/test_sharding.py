@@ -5,7 +5,6 @@ gradients and optimizer states a rank holds, as a fraction of what one process h
 """
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ from safetensors.torch import load_file
 
 from litft.parallel.tensor import split_over_tensor_parallel
 from tests.batch import Batch
+from litft.launchers import free_port
 from tests.conftest import ROOT, final_value, read_metrics, run_recording_zero3_partitions, step_losses
 
 COMMON = [
@@ -184,12 +184,6 @@ def test_pretrain_from_config_untied_fsdp_and_zero3_match_one_process(runs):
     assert "lm_head.weight" in load_file(single / "final" / "model.safetensors")
     assert_same_training(single, runs.out("pretrain-fsdp"), "finetune_full", (0.5, 0.5, 0.5))
     assert_same_training(single, runs.out("pretrain-zero3"), "finetune_full", LAYOUTS["zero3"][1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("job", ["finetune_full"])  # LoRA under FSDP is covered on one node; the 2-D mesh is what this tests

@@ -1,4 +1,3 @@
-import socket
 import threading
 import time
 
@@ -6,6 +5,7 @@ import pytest
 
 from litft.cluster import apply_launcher_env, check_in, launcher, preflight
 from litft.errors import LitftError
+from litft.launchers import free_port
 
 TORCHRUN = {"RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}
 # What srun sets for `sbatch --nodes=2 --ntasks-per-node=4`.
@@ -40,12 +40,6 @@ def test_matching_worlds_pass():
 def test_mismatched_worlds_fail_in_one_line(devices, num_nodes, env, message):
     with pytest.raises(LitftError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         preflight(devices, num_nodes, env)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again: nothing listens there until a test starts a store
 
 
 def test_node_zero_unreachable_fails_within_the_timeout():
