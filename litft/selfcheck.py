@@ -301,6 +301,7 @@ def worker(plan_path: str, records: str, rank: str) -> None:
     def rendezvous() -> None:
         os.environ["MASTER_PORT"] = str(case_port(root, next(runs), rank))
 
+    passed = []
     for index, fields in enumerate(plan["cases"]):
         case = Case(**fields)
         out_dir = root / f"{index:02d}-{case.name.replace(' ', '-')}"
@@ -310,7 +311,11 @@ def worker(plan_path: str, records: str, rank: str) -> None:
             with open(records, "a") as f:
                 f.write(json.dumps(result) + "\n")
             if result["passed"]:
-                shutil.rmtree(out_dir, ignore_errors=True)
+                passed.append(out_dir)
+    # A passed case's folder goes only now: another rank may still be reading its checkpoint when rank 0 moves on.
+    if rank == "0" and plan["world"] == 1:
+        for out_dir in passed:
+            shutil.rmtree(out_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
