@@ -22,6 +22,7 @@ from litft.fp8 import convert as convert_to_fp8
 from litft.kernels import use_liger_kernels
 from litft.lora import apply_lora, quantization_config, quiet_peft
 from litft.loss import fuse_target_loss
+from litft.objectives import build_objective
 from litft.model import CausalLM, keep_4bit_training_layout, load_causal_lm, load_config
 from litft.parallel.expert import compute_expert_lora
 from litft.parallel.strategies.base import Fill, TrainingStrategy
@@ -106,7 +107,7 @@ def build_module(
         attention=attention, structure=skeleton if quantized else strategy.structure, liger=liger, dtype=strategy.model_dtype,
         frozen_dtype=strategy.frozen_base_dtype(precision), fp8=fp8, fp8_all_gather=fp8 == "tensorwise" and strategy.gathers_fp8,
     )
-    lm = CausalLM(model, train, total_steps=total_steps, objective=objective)
+    lm = CausalLM(model, train, total_steps=total_steps, objective=build_objective(objective or ObjectiveArgs(), lora is not None))
     lm.fp8_all_gather = fp8 == "tensorwise" and strategy.gathers_fp8
     if compile:
         # Each block on its own, before any strategy wraps or shards it; compiled lazily, at its first call.

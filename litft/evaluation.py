@@ -1,23 +1,21 @@
 """Validation loss and exact-match scoring by generation, over every rank."""
 
 import math
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from litft.data.base import PreparedData, Prompted
-
 from litft.data.collate import collate
-
 from litft.data.order import eval_batches
-from litft.model import target_tokens
 from litft.parallel.mesh import DataPlace
 
 
 @torch.no_grad()
 def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batches: Optional[int], pad_id: int, padding_free: bool,
-             context: DataPlace) -> float:
-    """Token-mean loss over the validation set, every sample counted once across ranks (each rank of a context group its slice)."""
+             context: DataPlace, count: Callable[[dict], int]) -> float:
+    """Mean loss over the validation set (per what the objective's ``count`` counts), every sample counted once across ranks
+    (each rank of a context group its slice)."""
     module.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=fabric.device)
     for n, idx in enumerate(eval_batches(len(data.val), micro_batch_size, context.data_rank, context.data_world)):
@@ -26,14 +24,14 @@ def validate(fabric, module, data: PreparedData, micro_batch_size: int, max_batc
         # Every rank makes the same number of forward passes (wrapped forwards may communicate);
         # a rank out of samples runs sample 0 and does not count it.
         batch = context.split(collate([data.val[i] for i in (idx or [0])], pad_id, padding_free))
-        if not idx and "pairs" in batch:
-            batch["pairs"] = 0  # preference pairs: the stand-in adds nothing to the figures either
+        if not idx:
+            batch["counted"] = False  # the stand-in adds nothing to the objective's figures either
         batch = fabric.to_device(batch)
         with fabric.autocast():
             loss = module.validation_step(batch).double()
         if idx:
             totals[0] += loss
-            totals[1] += target_tokens(batch)
+            totals[1] += count(batch)
     totals = fabric.all_reduce(totals, reduce_op="sum")
     module.train()
     return float(totals[0] / totals[1].clamp(min=1))

@@ -250,11 +250,11 @@ class StepFlops:
     makes a step's FLOPs the same however the global batch is split across ranks.
     """
 
-    def __init__(self, config, peak: Optional[float], reference_forward: bool = False, **kind):
+    def __init__(self, config, peak: Optional[float], reference_forwards: int = 0, **kind):
         self.per_token, self.per_key = self.coefficients(config, **kind)
-        if reference_forward:  # a preference run's reference: one more forward of every row, without gradients
+        if reference_forwards:  # the objective's forwards without gradients (a preference run's reference), of every row
             token, key = self.coefficients(config, trained="forward")
-            self.per_token, self.per_key = self.per_token + token, self.per_key + key
+            self.per_token, self.per_key = self.per_token + reference_forwards * token, self.per_key + reference_forwards * key
         self.peak = peak
 
     @staticmethod
@@ -268,10 +268,11 @@ class StepFlops:
 
     @classmethod
     def for_run(cls, config, lora, precision: str, device, peak_tflops: Optional[float] = None, say=print,
-                reference_forward: bool = False) -> Optional["StepFlops"]:
+                reference_forwards: int = 0) -> Optional["StepFlops"]:
         """The counter for a run's model config and LoRA flags (a ``config.LoraArgs`` or None), or None with a line saying why.
 
-        ``reference_forward``: every micro-batch also runs a reference forward (DPO/IPO with the adapter switched off).
+        ``reference_forwards``: forwards without gradients every micro-batch also runs (the objective's: DPO/IPO's reference
+        with the adapter switched off).
         """
         kind = {"trained": "lora", "lora_r": lora.r, "lora_targets": lora.targets} if lora is not None else {}
         if precision.startswith("32") and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
@@ -279,7 +280,7 @@ class StepFlops:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         peak = peak_flops(name, precision, peak_tflops)
         try:
-            return cls(config, peak, reference_forward=reference_forward, **kind)
+            return cls(config, peak, reference_forwards=reference_forwards, **kind)
         except LitftError as err:
             say(f"litft: no MFU for this run: {err}")
             return None

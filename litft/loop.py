@@ -16,8 +16,6 @@ import torch
 
 from litft.errors import LitftError
 from litft.evaluation import score, validate
-from litft.model import target_tokens
-from litft.preference import figures_of
 
 
 @dataclass
@@ -96,7 +94,7 @@ def next_batch(trainer) -> Optional[StepBatch]:
     # whether any rank was asked to stop, and the step's model FLOPs. Counted on the CPU from the
     # batches, and reduced there where the process group can (gloo): no accelerator sync.
     counts = torch.tensor(
-        [sum(target_tokens(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro),
+        [sum(trainer.lm.objective.count(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro),
          float(reason is not None), flops],
         dtype=torch.float64, device=trainer.strategy.host_device,
     )
@@ -135,7 +133,7 @@ def train_step(trainer, batch: StepBatch) -> None:
     state.tokens, state.samples = state.tokens + batch.tokens, state.samples + batch.samples
     # The loss and the norm stay on the device until a log step reads them.
     metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer, router_aux=trainer.lm.take_router_aux(),
-                                    expert_load=trainer.expert_load, preference=trainer.lm.take_preference_figures())
+                                    expert_load=trainer.expert_load, figures=trainer.lm.objective.take_figures())
     if "loss" in metrics and not math.isfinite(metrics["loss"]):  # a log step's loss is the global one: every rank stops here
         raise not_finite(float(state.first_nonfinite) if math.isfinite(float(state.first_nonfinite)) else state.step)
     state.history.append(metrics)
@@ -170,15 +168,13 @@ def validate_and_log(trainer, scoring: bool) -> None:
     trainer.watch.at(state.step, "validating")
     metrics = {}
     if data.val:
+        objective = trainer.lm.objective
         metrics["val_loss"] = validate(
             fabric, trainer.module, data, spec.train.micro_batch_size, spec.eval.max_batches, trainer.tokenizer.pad_token_id, trainer.padding_free,
-            trainer.context,
+            trainer.context, objective.count,
         )
-        figures = trainer.lm.take_preference_figures()
-        if figures is None:
-            metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50))
-        else:  # a preference objective: how often held-out pairs are ranked right, and by how much
-            metrics.update(figures_of(fabric.all_reduce(figures, reduce_op="sum"), prefix="val_"))
+        figures = objective.take_figures()  # every rank has some or none alike (the same objective)
+        metrics.update(objective.validation_figures(metrics["val_loss"], None if figures is None else fabric.all_reduce(figures, reduce_op="sum")))
     if scoring and spec.eval.score_samples:
         prompts = data.scoring[: spec.eval.score_samples]
         metrics["val_score"] = score(fabric, trainer.module, prompts, trainer.tokenizer, spec.eval.max_new_tokens, tensor=trainer.context.tensor)

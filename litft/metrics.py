@@ -17,7 +17,6 @@ from tqdm import tqdm
 
 from litft.config import EvalArgs, TrainArgs
 from litft.experts import load_figures
-from litft.preference import figures_of
 
 
 def peak_memory_gb(device: torch.device) -> List[float]:
@@ -140,8 +139,8 @@ class Throughput:
 class Progress:
     """Rank 0's view of the run: a live bar on a terminal, one line per log step otherwise."""
 
-    def __init__(self, enabled: bool, total: int, start: int):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, total: int, start: int, shown: tuple = ()):
+        self.enabled, self.shown = enabled, shown  # shown: the objective's (label, figure, format) beside the loss
         self.total = total
         self.started, self.start = time.perf_counter(), start
         self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) if enabled and sys.stderr.isatty() else None
@@ -149,9 +148,8 @@ class Progress:
     def update(self, step: int, metrics: Dict[str, float]) -> None:
         if not self.enabled:
             return
-        text = f"loss {metrics['loss']:.4f} | {metrics['tokens_per_s']:,.0f} tok/s"
-        if "preference_accuracy" in metrics:
-            text = f"loss {metrics['loss']:.4f} | acc {metrics['preference_accuracy']:.2f} | margin {metrics['reward_margin']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s"
+        figures = "".join(f" | {label} {metrics[key]:{form}}" for label, key, form in self.shown if key in metrics)
+        text = f"loss {metrics['loss']:.4f}{figures} | {metrics['tokens_per_s']:,.0f} tok/s"
         if "mfu" in metrics:
             text += f" | MFU {metrics['mfu']:.1%}"
         elif "tflops_per_s_per_device" in metrics:
@@ -182,11 +180,12 @@ class Progress:
 class StepMeter:
     """What every step logs (loss, lr, grad norm), what log steps add (rates, MFU, memory), and state bytes once."""
 
-    def __init__(self, fabric, strategy, train: TrainArgs, flops, total_steps: int, start_step: int, compiled=None):
+    def __init__(self, fabric, strategy, train: TrainArgs, flops, total_steps: int, start_step: int, compiled=None, objective=None):
         self.fabric, self.strategy, self.train, self.flops, self.compiled = fabric, strategy, train, flops, compiled
+        self.objective = objective  # its figures join the log (litft.objectives)
         self.total_steps, self.start_step = total_steps, start_step
         self.window = Throughput()
-        self.progress = Progress(fabric.is_global_zero, total_steps, start_step)
+        self.progress = Progress(fabric.is_global_zero, total_steps, start_step, getattr(objective, "progress", ()))
         self.grad_bytes = 0
         self.compile_s = 0.0  # compilation time already taken out of earlier windows
 
@@ -195,7 +194,7 @@ class StepMeter:
             self.grad_bytes = self.strategy.state_bytes(lm, optimizer)["grads"]
 
     def after_step(self, state, loss_sum: torch.Tensor, lr: float, grad_norm, batch, lm, optimizer, router_aux=None, expert_load=None,
-                   preference=None) -> dict:
+                   figures=None) -> dict:
         """The step's metrics; only log steps read the loss and norm back from the device, and gather memory."""
         metrics = {"lr": lr, "epoch": state.epoch, "tokens": state.tokens}
         first = state.step == self.start_step + 1
@@ -209,8 +208,8 @@ class StepMeter:
             counts = expert_load.take() if expert_load is not None else None
             if counts is not None:  # MoE: how evenly the router spread the tokens since the last log step, over every rank
                 metrics.update(load_figures(self.fabric.all_reduce(counts, reduce_op="sum"), expert_load.groups))
-            if preference is not None:  # a preference objective's rewards, margin, accuracy and log-probs, per pair of the step
-                metrics.update(figures_of(self.fabric.all_reduce(preference, reduce_op="sum")))
+            if figures is not None:  # the objective's own figures of the step (a preference objective's rewards, margin, accuracy)
+                metrics.update(self.objective.figures(self.fabric.all_reduce(figures, reduce_op="sum")))
             if grad_norm is not None:
                 metrics["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             compiling = self.compiled.read() if self.compiled is not None else {"compile_s": 0.0}

@@ -3,19 +3,16 @@
 import contextlib
 import math
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from litft.attention import PACKED_SAFE, SEGMENTS, packed_rows_known
 from litft.config import ObjectiveArgs, TrainArgs
-from litft.data.collate import targets_of
 from litft.errors import LitftError
+from litft.objectives import Objective, build_objective
 from litft.loss import fused_head
-from litft.parallel.context import MARK, group_sum
-from litft.preference import preference_loss, sequence_sums
 from litft.tiny import TINY_MOE_NAME, TINY_NAME, ensure_tiny_model
 
 
@@ -162,20 +159,20 @@ class CausalLM(torch.nn.Module):
     Fabric routes ``training_step`` and ``validation_step`` through the wrapped module's
     forward, so DDP, FSDP and DeepSpeed hooks run when the loop calls them.
 
-    The step methods return the *sum* of token losses; the loop divides by the
-    number of target tokens in the whole global batch, so a step's gradient is
-    the same however the batch is split over ranks and micro-batches.
+    The step methods return the objective's *sum* (of token losses, of pair losses); the
+    loop divides by what it sums over in the whole global batch (``objective.count``),
+    so a step's gradient is the same however the batch is split over ranks and micro-batches.
     """
 
-    def __init__(self, model: torch.nn.Module, train: TrainArgs, total_steps: int = 1, objective: Optional[ObjectiveArgs] = None):
+    def __init__(self, model: torch.nn.Module, train: TrainArgs, total_steps: int = 1, objective: Union[Objective, ObjectiveArgs, None] = None):
         super().__init__()
         self.model = model
         self.train_args = train
         self.total_steps = total_steps
-        self.objective = objective or ObjectiveArgs()
+        # What the steps optimize (litft.objectives); its flags are built into one with the base frozen where LoRA is on.
+        self.objective = objective if isinstance(objective, Objective) else build_objective(objective or ObjectiveArgs(), hasattr(model, "disable_adapter"))
         self.compiled_kinds = 0  # kinds of block compiled (litft.compiling), the first compile of each not a recompile
         self.router_aux: list = []  # this step's router load-balancing losses (MoE), read and cleared by the loop
-        self.preference_figures: list = []  # each micro-batch's summed preference figures (litft.preference.STATS), on the device
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -223,62 +220,14 @@ class CausalLM(torch.nn.Module):
         picked = value.reshape(-1, value.shape[-1]).index_select(0, targets["index"]).float()
         return torch.log_softmax(picked, dim=-1).gather(1, targets["labels"][:, None]).squeeze(1), aux
 
-    def sequence_log_probs(self, batch: dict) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """Summed log-probs and token counts of each pair's chosen and rejected response, (pairs, 2) each, whole under context
-        parallel; and the router's auxiliary loss (MoE) or None."""
-        pairs = len(batch["ids"])
-        token_logps, aux = self.token_log_probs(batch)
-        sums, counts = sequence_sums(token_logps, batch["targets"]["sequence"], pairs)
-        group = (batch.get("varlen") or {}).get(MARK)
-        if group is not None:  # each rank of a context group holds a slice of every sequence
-            sums, counts = group_sum(sums, group), group_sum(counts.detach(), group)
-        return sums, counts, aux
-
-    def reference_log_probs(self, batch: dict) -> torch.Tensor:
-        """The reference model's summed log-probs per pair: scored before training, or the base with the adapter switched off."""
-        if "reference" in batch:
-            return batch["reference"].float()
-        with torch.no_grad(), self.model.disable_adapter():
-            return self.sequence_log_probs(batch)[0]
-
-    def preference_sum(self, batch: dict) -> torch.Tensor:
-        """The summed preference loss of the micro-batch's pairs (``litft.preference``); its figures are kept for the log."""
-        objective = self.objective
-        reference = self.reference_log_probs(batch) if objective.uses_reference else None
-        policy, lengths, aux = self.sequence_log_probs(batch)
-        counted = bool(batch.get("pairs", 1))  # under context parallel one rank of each group counts the loss and its figures
-        loss, figures = preference_loss(objective, policy, lengths, reference, counted)
-        self.preference_figures.append(figures)
-        if aux is not None and self.training and self.router_aux_coef:  # MoE: the router's balance, weighted by the pairs as the loss is
-            self.router_aux.append(aux.detach().float())
-            loss = loss + self.router_aux_coef * aux.float() * len(policy)
-        return loss if counted else loss * 0.0  # the zero keeps this rank's slice in the graph: group_sum's backward gives it the gradient
-
-    def take_preference_figures(self) -> Optional[torch.Tensor]:
-        """The summed figures of the micro-batches since the last call (on the device), or None; the list is emptied."""
-        if not self.preference_figures:
-            return None
-        summed, self.preference_figures = torch.stack(self.preference_figures).sum(0), []
-        return summed
-
-    def loss_sum(self, batch: dict) -> torch.Tensor:
-        """Summed cross-entropy of the batch's target tokens: by the head itself on targets only where it can (litft.loss).
-
-        In training, a MoE router's load-balancing loss is added as transformers adds it to the mean (weighted here by the
-        micro-batch's targets, so that the loop's division by the global batch's targets gives the same mean); the step's
-        value is kept in ``router_aux`` for the log. Validation reports the language-model loss alone.
-        """
-        if self.objective.preference:
-            return self.preference_sum(batch)
-        targets = batch.get("targets") or targets_of(batch["labels"])
-        loss, aux, fused = self.head_forward(batch, targets, per_token=False)
-        if not fused:
-            picked = loss.reshape(-1, loss.shape[-1]).index_select(0, targets["index"])
-            loss = F.cross_entropy(picked.float(), targets["labels"], reduction="sum")
-        if aux is not None and self.training and self.router_aux_coef:
-            self.router_aux.append(aux.detach().float())
-            loss = loss + self.router_aux_coef * aux.float() * len(targets["index"])
-        return loss
+    def with_router_aux(self, loss: torch.Tensor, aux: Optional[torch.Tensor], weight: int) -> torch.Tensor:
+        """In training, a MoE router's load-balancing loss added as transformers adds it to a mean (weighted by what ``loss``
+        sums over, so the loop's division gives the same mean); its value kept in ``router_aux`` for the log. Validation
+        reports the objective's loss alone."""
+        if aux is None or not self.training or not self.router_aux_coef:
+            return loss
+        self.router_aux.append(aux.detach().float())
+        return loss + self.router_aux_coef * aux.float() * weight
 
     def take_router_aux(self) -> Optional[torch.Tensor]:
         """The mean router load-balancing loss of the step's micro-batches (on the device), or None; the list is emptied."""
@@ -287,6 +236,10 @@ class CausalLM(torch.nn.Module):
         mean, self.router_aux = torch.stack(self.router_aux).mean(), []
         return mean
 
+    def loss_sum(self, batch: dict) -> torch.Tensor:
+        """The objective's summed loss of the micro-batch (litft.objectives): what it sums over is ``objective.count``."""
+        return self.objective.loss_sum(self, batch)
+
     def training_step(self, batch: dict) -> torch.Tensor:
         return self.loss_sum(batch)
 
@@ -294,8 +247,8 @@ class CausalLM(torch.nn.Module):
         return self.loss_sum(batch)
 
     def predict_step(self, batch: dict) -> torch.Tensor:
-        """Each pair's summed log-probs under the model as it is (the reference, scored before training)."""
-        return self.sequence_log_probs(batch)[0]
+        """What the objective scores with the model as it is (a preference reference's log-probs, before training)."""
+        return self.objective.score(self, batch)
 
     def configure_optimizers(self):
         args = self.train_args
@@ -314,7 +267,3 @@ class CausalLM(torch.nn.Module):
         )
         return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
-
-def target_tokens(batch: dict) -> int:
-    """What a batch's summed loss is a sum over (counted by collate, on the CPU): tokens that carry loss, or preference pairs."""
-    return int(batch["pairs"]) if "pairs" in batch else len(batch["targets"]["index"])

@@ -14,9 +14,10 @@ import torch
 from litft.checkpoint.format import RUN_CONFIG
 from litft.config import EvalArgs, Layout, LoraArgs, ObjectiveArgs, TrainArgs
 from litft.data.base import DataModule, data_config
-from litft.data.preference import PreferenceData, TinyPreferences
+from litft.data.preference import PreferenceData
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
+from litft.objectives import FAMILIES
 from litft.parallel.mesh import Mesh, layout_data_world
 
 
@@ -54,7 +55,7 @@ class RunSpec:
         """The spec of a job's own (flat) arguments, plus what only that job decides."""
         default_data = job_fields.pop("default_data", None)
         objective = ObjectiveArgs.of(flags.get("objective"))  # finetune_lora(objective="dpo") from Python, as --objective dpo
-        default_data = TinyPreferences() if objective.preference else default_data
+        default_data = FAMILIES[objective.name].default_data() or default_data
         flags = dict(flags, data=flags["data"] or default_data or TinyTasks(), objective=objective)
         lora = None
         if "lora_r" in flags:
@@ -93,14 +94,7 @@ class RunSpec:
         if self.lora is not None:
             self.lora.check()
         self.objective.check(lora=self.lora is not None)
-        preference_data = isinstance(self.data, PreferenceData)
-        if self.objective.preference and not preference_data:
-            raise LitftError(
-                f"--objective {self.objective.name} trains on preference pairs; give --data Preferences (prompt/chosen/rejected records) "
-                "or TinyPreferences, not " + type(self.data).__name__
-            )
-        if preference_data and not self.objective.preference:
-            raise LitftError(f"--data {type(self.data).__name__} holds preference pairs; choose an objective for them: --objective dpo, ipo, simpo or orpo")
+        FAMILIES[self.objective.name].check_data(self.objective, self.data)
         if self.overwrite and self.resumes_inside_out_dir:
             raise LitftError("--overwrite true deletes the checkpoints that --resume continues from; pass only one of them")
         return note

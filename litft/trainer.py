@@ -10,10 +10,9 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import lightning_fabric as L
-import torch
 import yaml
 from lightning_fabric.plugins.environments import LightningEnvironment
 
@@ -50,7 +49,6 @@ from litft.parallel.mesh import Mesh
 from litft.parallel.strategies import checked_strategy_class
 from litft.parallel.tensor import check_tensor_parallel
 from litft.plot import plot_losses
-from litft.preference import REFERENCE_FILE, attach_reference, score_pairs
 from litft.profiling import StepProfiler
 from litft.ranks import on_rank_zero, rank_zero_first
 from litft.spec import RunResult, RunSpec
@@ -186,7 +184,7 @@ class Trainer:
         fabric.print(
             f"{spec.job}: {sum(self.strategy.numel(p) for p in model.parameters()):,} parameters, "
             f"{sum(self.strategy.numel(p) for p in model.parameters() if p.requires_grad):,} trained; "
-            f"{'streamed' if streamed else num_train} train / {len(data.val)} val {'pairs' if spec.objective.preference else 'samples'}; world size {fabric.world_size}; precision {self.precision}"
+            f"{'streamed' if streamed else num_train} train / {len(data.val)} val {self.lm.objective.unit}; world size {fabric.world_size}; precision {self.precision}"
         )
         self.checkpointer = Checkpointer(
             fabric, self.strategy, self.lm, self.optimizer, self.scheduler, spec.out_dir, spec.train, self._meta(num_train), spec.recorded,
@@ -199,9 +197,7 @@ class Trainer:
             fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
         self.start_step = self.stops.start_step = self.state.step
         self.padding_free = self.attention in PACKED_SAFE  # samples end to end in one row, no padding computed
-        if spec.objective.reference_precomputed(lora=spec.lora is not None):
-            self.watch.at(self.state.step, "scoring the reference log-probs")
-            self.use_reference_scores(resume_from if position is not None else None)
+        self.lm.objective.prepare(self, resume_from if position is not None else None)  # a reference's scores, where it needs them
         train = spec.train
         # The ranks of a context group take the same samples: between them they are one data-parallel rank.
         rank, world, pad, pin = self.context.data_rank, self.context.data_world, self.tokenizer.pad_token_id, fabric.device.type == "cuda"
@@ -213,51 +209,17 @@ class Trainer:
             order = SampleOrder(num_train, train.global_batch_size, train.micro_batch_size, rank, world, spec.seed)
             self.batches = StepBatches(data.train, order, pad, self.padding_free, pin=pin, split=self.context.split)
         self.cadence = Cadence(self.total_steps, spec.eval, train.save_interval, train.max_tokens)
-        objective = spec.objective  # DPO/IPO under LoRA run the reference's forward in every step
-        reference_forward = objective.uses_reference and not objective.reference_precomputed(spec.lora is not None)
         self.flops = StepFlops.for_run(
-            self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print, reference_forward=reference_forward,
+            self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print,
+            reference_forwards=self.lm.objective.reference_forwards,
         )
         self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step,
-                               compiled=CompileStats(self.lm.compiled_kinds) if self.compiling.enabled else None)
+                               compiled=CompileStats(self.lm.compiled_kinds) if self.compiling.enabled else None, objective=self.lm.objective)
         samples = spec.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
         self.sample_log = SampleLog(samples if train.record_sample_ids else None)
         profiles = spec.out_dir / "logs" / "profile"
         self.profiler = StepProfiler(spec.profile, profiles, fabric.global_rank, fabric.device, self.start_step, self.total_steps, self.meter.progress.message)
         self.profiler.after(self.start_step)
-
-    def use_reference_scores(self, resumed: Optional[Path]) -> None:
-        """DPO/IPO with the reference scored before training: every pair's log-probs under the initial model, and no reference weights.
-
-        Scored once, at the start, and kept in every checkpoint: a resumed run reads them back and does not score again.
-        """
-        fabric, data, train = self.fabric, self.data, self.spec.train
-        stored = resumed / REFERENCE_FILE if resumed is not None else None
-        if stored is not None and not stored.is_file():  # scoring now would score the trained weights, not the initial ones
-            raise LitftError(
-                f"checkpoint {resumed} holds no reference log-probs ({REFERENCE_FILE}), so its run's initial model cannot be "
-                "scored again; resume it with the objective it was trained with, or start this run afresh from its exported model"
-            )
-        if stored is not None:
-            tables = torch.load(stored, weights_only=True)
-            if len(tables["train"]) != len(data.train) or len(tables["val"]) != len(data.val):
-                raise LitftError(
-                    f"checkpoint {resumed} holds reference scores of {len(tables['train'])} train / {len(tables['val'])} val pairs, and the data "
-                    f"has {len(data.train)} / {len(data.val)}; resume with the data it was trained on"
-                )
-            fabric.print(f"reference log-probs of {len(data.train) + len(data.val):,} pairs read from {resumed}")
-        else:
-            started = time.perf_counter()
-            pad, score = self.tokenizer.pad_token_id, lambda samples: score_pairs(
-                fabric, self.module, samples, train.micro_batch_size, pad, self.padding_free, self.context)
-            tables = {"train": score(data.train), "val": score(data.val)}
-            fabric.print(
-                f"reference: {len(data.train) + len(data.val):,} pairs scored by the initial model in {time.perf_counter() - started:.1f} s; "
-                "their log-probs are kept with every checkpoint and no reference weights are held"
-            )
-        attach_reference(data.train, tables["train"])
-        attach_reference(data.val, tables["val"])
-        self.checkpointer.extras[REFERENCE_FILE] = tables
 
     def write_plot(self) -> None:
         """out_dir/logs/loss.png from the CSV log (rank 0): at every checkpoint and at the end."""

@@ -4,7 +4,7 @@ A pair's sample holds the prompt and the chosen response, then the prompt again 
 the rejected response, with position ids restarting at the second prompt: attention
 keeps the two sequences apart as it keeps packed samples apart, so both go through
 the model in one row, padding-free. Only response tokens carry labels; the
-objective (``litft.preference``) sums their log-probs per sequence.
+objective (``litft.objectives.preference``) sums their log-probs per sequence.
 """
 
 import os

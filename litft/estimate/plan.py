@@ -15,6 +15,7 @@ from litft.flops import flops_per_token, model_shape
 from litft.logs import quiet_libraries
 from litft.memory import GiB, Row
 from litft.model import check_architecture, load_config, resolve_model
+from litft.objectives import build_objective
 from litft.parallel.mesh import layout_data_world
 from litft.parallel.context import check_context_parallel
 from litft.parallel.expert import check_expert_parallel, is_expert_tensor
@@ -75,15 +76,6 @@ def objective_of(flags: dict) -> ObjectiveArgs:
     return objective
 
 
-def reference_line(objective: ObjectiveArgs, lora: bool) -> str:
-    """Where a preference run's reference comes from, and what it costs in memory."""
-    if not objective.uses_reference:
-        return "none (reference-free)" if objective.preference else ""
-    if objective.reference_precomputed(lora):
-        return "scored before training: a table of 2 log-probs per pair, no reference weights"
-    return "the base with the adapter off: no second copy, one no-grad forward per micro-batch (counted in the activations)"
-
-
 def experts_facts(config, tensors, size: int, tokens: int, itemsize: int, seq_len: int) -> Optional[dict]:
     """A MoE model's experts as the estimate shows them: a rank's share, the tokens' dispatch buffers, the active FLOPs."""
     shape = model_shape(config)
@@ -139,7 +131,7 @@ def plan_memory(flags: dict) -> dict:
     if flags["quantize"] is not None:
         biggest = max((t.numel for t in tensors if t.quantized), default=0)
         buffers.append(("bnb dequantized weight", Row(biggest * element_size(compute_dtype(precision)), note="the largest 4-bit layer, during its matmul")))
-    experts = experts_facts(config, tensors, layout.expert_parallel, train.micro_batch_size * tokens_per_rank * (2 if objective.preference else 1),
+    experts = experts_facts(config, tensors, layout.expert_parallel, train.micro_batch_size * tokens_per_rank * build_objective(objective, lora is not None).rows_per_sample,
                             element_size(compute_dtype(precision)), flags["seq_len"])
     if experts and layout.expert_parallel > 1:
         buffers.append(("expert dispatch (all-to-all)", Row(experts["dispatch_bytes"], note="one MoE layer's (token, expert) rows, sent and received")))
@@ -165,7 +157,7 @@ def plan_memory(flags: dict) -> dict:
         "quantize": flags["quantize"],
         "micro_batch_size": train.micro_batch_size,
         "objective": objective.name,
-        "reference": reference_line(objective, lora is not None),
+        "reference": build_objective(objective, lora is not None).describe() or "",
         "seq_len": flags["seq_len"],
         "context_parallel": layout.context_parallel,
         "tensor_parallel": layout.tensor_parallel,

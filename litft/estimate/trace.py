@@ -197,19 +197,13 @@ def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int, o
     tensors = list(lm.parameters()) + list(lm.buffers())
     gc.collect()
     ledger = LiveStorages(tensors)
-    pairs = micro_batch_size if lm.objective.preference else 0
-    rows = 2 * pairs or micro_batch_size  # a preference micro-batch holds two sequences per pair
+    rows = micro_batch_size * lm.objective.rows_per_sample  # a preference micro-batch holds two sequences per pair
     with fake_mode:
         tokens = torch.zeros(rows, seq_len, dtype=torch.long)
         # Rows of one sequence each (position ids 0..n-1, as unpacked data has them; transformers then makes them itself).
-        # Every token but each row's last carries loss (the index is made without reading the fake tokens).
-        index = torch.arange(rows * seq_len).reshape(rows, seq_len)[:, :-1].flatten()
-        batch = {"input_ids": tokens, "labels": tokens, "position_ids": None, "targets": {"index": index, "labels": tokens.flatten()[index]}}
-        if pairs:  # each row is a sequence: chosen and rejected of pair k in rows 2k and 2k + 1
-            batch.update(ids=torch.arange(pairs), pairs=pairs)
-            batch["targets"]["sequence"] = index // seq_len
-            if lm.objective.uses_reference and not hasattr(model, "disable_adapter"):  # full fine-tuning: the scores of a pass before training
-                batch["reference"] = torch.zeros(pairs, 2)
+        # Every token but each row's last carries loss (the index is made without reading the fake tokens); what else the
+        # objective's batch holds, it adds (a pair's sequences, a reference's scores where they were computed before training).
+        batch = lm.objective.fake_batch(rows, seq_len, tokens)
         cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
         # The loop's shape: forward and backward inside one autocast region, which caches weight casts for both.
         with _masks_as_in_real_steps(), _grouped_experts_traceable(), ledger.mode(), cast:

@@ -76,7 +76,7 @@ def slice_batch(batch: dict, place: int, size: int, group=None) -> dict:
             **{key: value[mine] for key, value in targets.items()},  # the labels, and each target's sequence for preference pairs
             "index": row[mine] * part + column[mine] - start,
         },
-        **({"pairs": batch["pairs"] if place == 0 else 0} if "pairs" in batch else {}),  # counted once per group
+        "lead_slice": place == 0,  # what an objective counts once per sample (a pair), the group's first slice counts
     }
 
 

@@ -319,7 +319,7 @@ def test_no_host_reads_in_a_training_step_of_moe_lora_experts_and_preference(run
         batch = collate(samples([9, 7, 8]), pad_id=0, padding_free=True)
     with HostReads(everywhere=True) as counter:
         lm.loss_sum(batch).backward()
-        figures = lm.take_preference_figures() if run == "preference" else load.take()
+        figures = lm.objective.take_figures() if run == "preference" else load.take()
     assert counter.reads == [], counter.reads
     assert figures is not None and torch.isfinite(figures).all()
     if lora is not None:

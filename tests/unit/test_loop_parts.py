@@ -6,9 +6,10 @@ import time
 import pytest
 import torch
 
-from litft.config import EvalArgs
+from litft.config import EvalArgs, ObjectiveArgs
 from litft.loop import LoopState
 from litft.metrics import Cadence, SampleLog, StopRequests, Throughput
+from litft.objectives import Supervised
 
 
 def test_cadence_validates_and_saves_on_its_intervals_but_not_at_the_end():
@@ -115,7 +116,7 @@ def test_train_step_reads_nothing_back_from_the_device_but_on_log_steps():
     trainer = SimpleNamespace(
         fabric=fabric, strategy=strategy, spec=SimpleNamespace(train=train), state=LoopState(), scheduler=SimpleNamespace(step=lambda: None),
         optimizer=SimpleNamespace(param_groups=[{"lr": 0.1}]),
-        module=SimpleNamespace(training_step=lambda batch: torch.tensor(2.0).as_subclass(OnDevice)), lm=SimpleNamespace(take_router_aux=lambda: None, take_preference_figures=lambda: None), expert_load=None,
+        module=SimpleNamespace(training_step=lambda batch: torch.tensor(2.0).as_subclass(OnDevice)), lm=SimpleNamespace(take_router_aux=lambda: None, objective=Supervised(ObjectiveArgs(), lora=False)), expert_load=None,
         meter=StepMeter(fabric, strategy, train, flops=None, total_steps=6, start_step=0), profiler=SimpleNamespace(after=lambda step: None),
     )
     batch = StepBatch(micro=[{}, {}], targets=4, tokens=10, samples=2, flops=0.0)

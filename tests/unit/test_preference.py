@@ -18,9 +18,10 @@ from litft.data.samples import IGNORE_INDEX
 from litft.data.preference import Preferences, TinyPreferences, preference_records
 from litft.errors import LitftError
 from litft.loss import TargetLogProbs, fuse_target_loss
-from litft.model import CausalLM, target_tokens
+from litft.model import CausalLM
 from litft.parallel.context import slice_batch
-from litft.preference import figures_of
+from litft.objectives import build_objective
+from litft.objectives.preference import figures_of
 
 PAIRS = 6
 
@@ -31,7 +32,7 @@ def pairs(tokenizer):
 
 
 def independent_loss(objective: ObjectiveArgs, pc, pr, rc, rr, nc, nr):
-    """One pair's loss from the papers' formulas, written apart from litft.preference (sigmoid and log, not logsigmoid)."""
+    """One pair's loss from the papers' formulas, written apart from litft.objectives.preference (sigmoid and log, not logsigmoid)."""
     beta, eps, sig = objective.effective_beta, objective.label_smoothing, torch.sigmoid
     if objective.name == "dpo":
         x = beta * ((pc - pr) - (rc - rr))
@@ -145,7 +146,7 @@ def test_objective_matches_an_independent_reference(name, lora, fused, padding_f
         for sample, row in zip(samples, table):
             sample["reference"] = row
     batch = collate(samples, tokenizer.pad_token_id, padding_free=padding_free)
-    assert target_tokens(batch) == PAIRS
+    assert lm.objective.count(batch) == PAIRS
     loss = lm.training_step(batch) / PAIRS
     loss.backward()
     assert abs(loss.item() - expected.item()) <= 1e-6 * max(1.0, abs(expected.item())), (loss.item(), expected.item())
@@ -153,8 +154,8 @@ def test_objective_matches_an_independent_reference(name, lora, fused, padding_f
     assert got.keys() == want.keys() and want
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=key)
-    figures = lm.take_preference_figures()
-    assert figures[0] == PAIRS and lm.take_preference_figures() is None
+    figures = lm.objective.take_figures()
+    assert figures[0] == PAIRS and lm.objective.take_figures() is None
     logged = figures_of(figures)
     assert logged.keys() == expected_figures.keys()
     for key, value in expected_figures.items():  # what metrics.csv shows, against the figures computed apart
@@ -212,7 +213,8 @@ def test_a_pair_is_one_sample_of_two_sequences(tokenizer, pairs):
     # Under context parallel each slice keeps its targets' sequences, and one rank of the group counts the pairs.
     halves = [slice_batch(batch, place, 2) for place in (0, 1)]
     assert torch.equal(torch.cat([h["targets"]["sequence"] for h in halves]), sequence)
-    assert [h["pairs"] for h in halves] == [3, 0]
+    objective = build_objective(ObjectiveArgs(name="dpo"), lora=True)
+    assert [objective.count(h) for h in halves] == [3, 0]
 
 
 def test_tiny_preferences_reject_a_near_miss():
@@ -328,7 +330,7 @@ def test_mfu_counts_the_reference_forward_of_an_adapter_off_reference(tiny_dir):
 
     config, cpu = load_config(str(tiny_dir)), torch.device("cpu")
     plain = StepFlops.for_run(config, LoraArgs(), "32-true", cpu)
-    with_reference = StepFlops.for_run(config, LoraArgs(), "32-true", cpu, reference_forward=True)
+    with_reference = StepFlops.for_run(config, LoraArgs(), "32-true", cpu, reference_forwards=1)
     for n in (17, 300):
         assert with_reference.of_row(n) == pytest.approx(plain.of_row(n) + n * flops_per_token(config, n, trained="forward"), rel=1e-9)
 
@@ -362,7 +364,7 @@ def test_preference_loss_on_other_architectures_matches_transformers_eager(name,
     expected, _ = independent_mean(objective, eager.train(), None, pairs)
     expected.backward()
     lm = as_litft_builds_it(folder)
-    lm.objective = objective
+    lm.objective = build_objective(objective, lora=False)
     loss = lm.training_step(collate(pairs, tokenizer.pad_token_id, padding_free=True)) / PAIRS
     loss.backward()
     assert abs(loss.item() - expected.item()) <= 1e-6 * max(1.0, abs(expected.item())), (loss.item(), expected.item())

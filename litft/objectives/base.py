@@ -1,0 +1,95 @@
+"""What a training step optimizes, as one small interface beside the loop: the loop and the strategies never ask which.
+
+An objective says what its batches hold beside the tokens, the summed loss of a
+micro-batch and what that sum is over (the normaliser the loop adds up over the
+whole global batch, so the step is the same however ranks and micro-batches split
+it), the figures it logs, what it needs before the first step (a reference model's
+scores), and the extra forwards a step makes (for FLOPs). ``litft.objectives``
+builds the one a run's ``--objective`` names.
+"""
+
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from litft.config import ObjectiveArgs
+from litft.errors import LitftError
+
+
+class Objective:
+    """The supervised default's answers; each family overrides what differs."""
+
+    name = "sft"
+    unit = "samples"  # what the data holds, on the first screen
+    progress: Tuple[Tuple[str, str, str], ...] = ()  # (label, figure, format) the progress line shows beside the loss
+    reference_forwards = 0  # no-grad forwards of the model per micro-batch beside the step's own (for FLOPs)
+    rows_per_sample = 1  # sequences a sample holds (a preference pair: 2), for the estimate's trace
+
+    def __init__(self, args: ObjectiveArgs, lora: bool):
+        self.args, self.lora = args, lora
+        self.pending: list = []  # each micro-batch's figures since the last take, on the device
+
+    # ------------------------------------------------------------ the data
+
+    @classmethod
+    def default_data(cls):
+        """The data a fine-tuning job takes under this objective when ``--data`` is left out (None: the job's own default)."""
+        return None
+
+    @classmethod
+    def check_data(cls, args: ObjectiveArgs, data) -> None:
+        """Refuse, in one line, data this objective cannot train on."""
+        from litft.data.preference import PreferenceData
+
+        if isinstance(data, PreferenceData):
+            raise LitftError(f"--data {type(data).__name__} holds preference pairs; choose an objective for them: --objective dpo, ipo, simpo or orpo")
+
+    # ------------------------------------------------------------ the step
+
+    def loss_sum(self, lm, batch: dict) -> torch.Tensor:
+        """The micro-batch's summed loss; the loop scales it by the data-parallel world over the global batch's ``count``."""
+        raise NotImplementedError
+
+    def count(self, batch: dict) -> int:
+        """What ``loss_sum`` is a sum over, counted by collate on the host: here, the tokens that carry loss."""
+        return len(batch["targets"]["index"])
+
+    def score(self, lm, batch: dict) -> torch.Tensor:
+        """What a forward of the model as it is gives for scoring before training (``CausalLM.predict_step``)."""
+        raise NotImplementedError(f"--objective {self.name} scores nothing before training")
+
+    # ------------------------------------------------------------ what a run shows
+
+    def take_figures(self) -> Optional[torch.Tensor]:
+        """The summed figures of the micro-batches since the last take (on the device), or None; emptied."""
+        if not self.pending:
+            return None
+        summed, self.pending = torch.stack(self.pending).sum(0), []
+        return summed
+
+    def figures(self, summed: torch.Tensor, prefix: str = "") -> Dict[str, float]:
+        """The log's figures from the sum of every rank's ``take_figures``."""
+        return {}
+
+    def validation_figures(self, val_loss: float, summed: Optional[torch.Tensor]) -> Dict[str, float]:
+        """What validation logs beside ``val_loss``: the perplexity for next-token objectives."""
+        import math
+
+        return {"val_ppl": math.exp(min(val_loss, 50))}
+
+    # ------------------------------------------------------------ before the first step
+
+    def prepare(self, trainer, resumed: Optional[Path]) -> None:
+        """Whatever the objective needs before training (a reference's scores, read back from ``resumed`` when resuming)."""
+
+    def describe(self) -> Optional[str]:
+        """A first-screen line about the objective, where it has something to say."""
+        return None
+
+    # ------------------------------------------------------------ the estimate
+
+    def fake_batch(self, rows: int, seq_len: int, tokens: torch.Tensor) -> dict:
+        """A micro-batch of ``rows`` sequences of ``seq_len`` tokens for the estimate's trace (on fake tensors)."""
+        index = torch.arange(rows * seq_len).reshape(rows, seq_len)[:, :-1].flatten()
+        return {"input_ids": tokens, "labels": tokens, "position_ids": None, "targets": {"index": index, "labels": tokens.flatten()[index]}}
