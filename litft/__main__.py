@@ -63,8 +63,8 @@ def default_data_named(argv: List[str]) -> List[str]:
         return argv
     named_objective = [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--objective.name"]
     named_objective += [word.split("=", 1)[1] for word in argv if word.startswith("--objective.name=")]
-    preference = bool(named_objective) and named_objective[-1] != "sft"
-    default = PREFERENCE_DATA_FLAGS if preference else DEFAULT_DATA_FLAGS[argv[0]]
+    objective = named_objective[-1] if named_objective else "sft"
+    default = {"sft": DEFAULT_DATA_FLAGS[argv[0]], "grpo": ["--data", "TinyPrompts"]}.get(objective, PREFERENCE_DATA_FLAGS)
     return [*argv[: options[0]], *default, *argv[options[0]:]]
 
 

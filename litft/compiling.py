@@ -48,7 +48,7 @@ def requested_mode(value) -> str:
 
 def choose(
     requested, accelerator: str, strategy_compiles: bool, strategy_name: str, *, quantize: Optional[str] = None,
-    context_parallel: int = 1, tensor_parallel: int = 1, expert_parallel: int = 1,
+    context_parallel: int = 1, tensor_parallel: int = 1, expert_parallel: int = 1, generates: bool = False,
 ) -> CompileChoice:
     """What ``--compile`` means for this run: an explicit ``true`` that cannot work is refused in one line; ``auto`` falls back."""
     mode = requested_mode(requested)
@@ -63,6 +63,8 @@ def choose(
         blockers.append(("--context_parallel (its all-to-all inside each block)", "drop --context_parallel"))
     if tensor_parallel > 1:
         blockers.append(("--tensor_parallel (DTensor blocks are untested compiled)", "drop --tensor_parallel"))
+    if generates:
+        blockers.append(("--objective grpo (its rollouts' generation calls the blocks at a new length every token)", "drop --compile"))
     if expert_parallel > 1:
         blockers.append(("--expert_parallel (the dispatch reads its split sizes on the host)", "drop --expert_parallel"))
     if blockers:

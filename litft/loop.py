@@ -167,15 +167,18 @@ def validate_and_log(trainer, scoring: bool) -> None:
     fabric, data, spec, state = trainer.fabric, trainer.data, trainer.spec, trainer.state
     trainer.watch.at(state.step, "validating")
     metrics = {}
-    if data.val:
-        objective = trainer.lm.objective
+    objective = trainer.lm.objective
+    measured = objective.validation(trainer)  # an objective that measures validation itself (RL: the held-out reward)
+    if measured is not None:
+        metrics.update(measured)
+    elif data.val:
         metrics["val_loss"] = validate(
             fabric, trainer.module, data, spec.train.micro_batch_size, spec.eval.max_batches, trainer.tokenizer.pad_token_id, trainer.padding_free,
             trainer.context, objective.count,
         )
         figures = objective.take_figures()  # every rank has some or none alike (the same objective)
         metrics.update(objective.validation_figures(metrics["val_loss"], None if figures is None else fabric.all_reduce(figures, reduce_op="sum")))
-    if scoring and spec.eval.score_samples:
+    if scoring and spec.eval.score_samples and not objective.generates:
         prompts = data.scoring[: spec.eval.score_samples]
         metrics["val_score"] = score(fabric, trainer.module, prompts, trainer.tokenizer, spec.eval.max_new_tokens, tensor=trainer.context.tensor)
     trainer.module.train()

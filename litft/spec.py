@@ -83,9 +83,16 @@ class RunSpec:
         if self.train.micro_batch_size < 1:
             raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
         data_world = layout_data_world(self.layout)
-        self.train, note = self.train.resolved(data_world)
-        self.train.check(data_world)
-        self.eval.check(instruction_data=hasattr(self.data, "prompted") or isinstance(self.data, PreferenceData))  # prompts with answers
+        if self.objective.rl:  # the global batch counts prompts, a micro-batch completions: each rank takes whole prompts
+            self.train, note = self.train.resolved(data_world)
+            if self.train.global_batch_size % data_world:
+                raise LitftError(f"--train.global_batch_size {self.train.global_batch_size} prompts do not split over {data_world} data-parallel "
+                                 "ranks (each rank samples whole groups); choose a multiple of it")
+        else:
+            self.train, note = self.train.resolved(data_world)
+            self.train.check(data_world)
+        # Prompts with answers (RL validates its held-out reward instead).
+        self.eval.check(instruction_data=hasattr(self.data, "prompted") or isinstance(self.data, PreferenceData) or self.objective.rl)
         self.data.check()
         if getattr(self.data, "streaming", False) and self.train.max_steps is None:
             raise LitftError("--data.streaming true needs --train.max_steps: a stream's length is not known in advance")

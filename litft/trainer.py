@@ -54,9 +54,10 @@ from litft.ranks import on_rank_zero, rank_zero_first
 from litft.spec import RunResult, RunSpec
 from litft.watch import PeerWatch, StopSignals
 
-def plan_steps(train, num_samples: int, mean_tokens: float) -> int:
-    """Optimizer steps the run will take: the first of max_steps, epochs and max_tokens to end it."""
-    steps_per_epoch = num_samples // train.global_batch_size
+def plan_steps(train, num_samples: int, mean_tokens: float, steps_per_batch: int = 1) -> int:
+    """Optimizer steps the run will take: the first of max_steps, epochs and max_tokens to end it (``steps_per_batch``: RL's
+    iterations on each batch of rollouts)."""
+    steps_per_epoch = num_samples // train.global_batch_size * steps_per_batch
     limits = []
     if train.max_steps is not None:
         limits.append(train.max_steps)
@@ -98,9 +99,12 @@ class Trainer:
         precision = resolve_precision(spec.precision, accelerator)
         chosen = checked_strategy_class(layout, accelerator, precision)
         attention = choose_attention(spec.attn_implementation, accelerator, precision, layout.context_parallel)
+        if spec.objective.rl and max(layout.context_parallel, layout.tensor_parallel, layout.expert_parallel) > 1:
+            raise LitftError(f"--objective {spec.objective.name} samples completions with transformers' generate, which litft does not yet "
+                             "run split by --context_parallel, --tensor_parallel or --expert_parallel; drop them (FSDP and ZeRO-3 shard it)")
         compiling = choose_compile(spec.compile, accelerator, chosen.compiles, chosen.name, quantize=spec.lora.quantize if spec.lora else None,
                                    context_parallel=layout.context_parallel, tensor_parallel=layout.tensor_parallel,
-                                   expert_parallel=layout.expert_parallel)
+                                   expert_parallel=layout.expert_parallel, generates=spec.objective.rl)
         check_fp8(spec.fp8, accelerator, precision, quantize=spec.lora.quantize if spec.lora else None, strategy_name=chosen.name,
                   tensor_parallel=layout.tensor_parallel)
         config = load_config(resolve_model(spec.model))  # the model's description, read once: every check and the build take it
@@ -157,7 +161,8 @@ class Trainer:
                 f"the training data has {num_train} samples, fewer than one global batch ({spec.train.global_batch_size}); "
                 "add data or lower --train.global_batch_size"
             )
-        self.total_steps = spec.train.max_steps if streamed else plan_steps(spec.train, num_train, mean_length(data.train))
+        self.total_steps = spec.train.max_steps if streamed else plan_steps(spec.train, num_train, mean_length(data.train),
+                                                                                   spec.objective.iterations if spec.objective.rl else 1)
         warmup = spec.train.warmup_steps
         if warmup >= self.total_steps > 0 and warmup > 0:
             fabric.print(f"warmup: --train.warmup_steps {warmup} is at least the run's {self.total_steps} steps, so the learning rate peaks at "
@@ -207,7 +212,8 @@ class Trainer:
             )
         else:
             order = SampleOrder(num_train, train.global_batch_size, train.micro_batch_size, rank, world, spec.seed)
-            self.batches = StepBatches(data.train, order, pad, self.padding_free, pin=pin, split=self.context.split)
+            self.batches = self.lm.objective.step_batches(self) or StepBatches(
+                data.train, order, pad, self.padding_free, pin=pin, split=self.context.split)
         self.cadence = Cadence(self.total_steps, spec.eval, train.save_interval, train.max_tokens)
         self.flops = StepFlops.for_run(
             self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print,

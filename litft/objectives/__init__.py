@@ -2,14 +2,16 @@
 
     supervised   sft: next-token cross-entropy on the target tokens (pretraining, SFT)
     preference   dpo, ipo, simpo, orpo: a loss on each pair's chosen and rejected log-probs
+    rl           grpo (and DAPO, Dr. GRPO, GSPO as its flags): the clipped policy gradient on sampled, rewarded completions
 """
 
 from litft.config import ObjectiveArgs
 from litft.objectives.base import Objective
 from litft.objectives.preference import Preference
+from litft.objectives.rl import GroupRelative
 from litft.objectives.supervised import Supervised
 
-FAMILIES = {"sft": Supervised, "dpo": Preference, "ipo": Preference, "simpo": Preference, "orpo": Preference}
+FAMILIES = {"sft": Supervised, "dpo": Preference, "ipo": Preference, "simpo": Preference, "orpo": Preference, "grpo": GroupRelative}
 
 
 def build_objective(args: ObjectiveArgs, lora: bool) -> Objective:
@@ -17,4 +19,4 @@ def build_objective(args: ObjectiveArgs, lora: bool) -> Objective:
     return FAMILIES[args.name](args, lora)
 
 
-__all__ = ["Objective", "Supervised", "Preference", "build_objective", "FAMILIES"]
+__all__ = ["Objective", "Supervised", "Preference", "GroupRelative", "build_objective", "FAMILIES"]

@@ -25,6 +25,8 @@ class Objective:
     progress: Tuple[Tuple[str, str, str], ...] = ()  # (label, figure, format) the progress line shows beside the loss
     reference_forwards = 0  # no-grad forwards of the model per micro-batch beside the step's own (for FLOPs)
     rows_per_sample = 1  # sequences a sample holds (a preference pair: 2), for the estimate's trace
+    generates = False  # whether its batches are sampled by the model as it trains (litft.rollouts)
+    steps_per_batch = 1  # optimizer steps on one global batch of the data (RL's iterations on a batch of rollouts)
 
     def __init__(self, args: ObjectiveArgs, lora: bool):
         self.args, self.lora = args, lora
@@ -77,6 +79,14 @@ class Objective:
         import math
 
         return {"val_ppl": math.exp(min(val_loss, 50))}
+
+    def step_batches(self, trainer):
+        """The loop's source of step batches where the objective makes its own (RL's rollouts); None: the data's, as collated."""
+        return None
+
+    def validation(self, trainer) -> Optional[Dict[str, float]]:
+        """What validation logs where the objective measures it itself (RL's held-out reward); None: the loss on the data."""
+        return None
 
     # ------------------------------------------------------------ before the first step
 

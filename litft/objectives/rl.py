@@ -1,0 +1,175 @@
+"""Online RL from rewards: GRPO and its variants (DAPO, Dr. GRPO, GSPO) on the one loop, as flags of one objective.
+
+Each step takes a global batch of prompts, samples ``group_size`` completions of each with
+the policy as it is (litft.rollouts), scores them with the reward functions, and trains on
+the completions' tokens with the clipped policy-gradient loss. With A_i the advantage of
+completion i, r the probability ratio between the policy and the one that sampled (1 at
+the first of ``iterations`` steps on a batch of rollouts), and k3 the KL estimate against
+the reference (the base with the adapter off):
+
+    advantage   A_i = r_i - mean(group)                   (Dr. GRPO: scale none)
+                A_i = (r_i - mean(group)) / std(group)    (GRPO: scale group; batch: the global batch's std)
+    ratio       token: r_t = exp(logp_t - old_t)           sequence (GSPO): s_i = exp(mean_t(logp_t - old_t)) for each token of i
+    token loss  l_t = -min(r A, clip(r, 1 - eps, 1 + eps_high) A) + beta * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)
+    the sum     token (DAPO): sum_t l_t over the completion tokens of the global batch
+                sequence (GRPO): sum_i mean_t l_t over its completions
+                constant (Dr. GRPO): sum_t l_t / max_new_tokens over its completions
+
+The loop divides the sum by ``count`` over the whole global batch (tokens, or completions),
+so a step is the same however prompts and completions are split over ranks and micro-batches.
+"""
+
+import math
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from litft.config import ObjectiveArgs
+from litft.errors import LitftError
+from litft.objectives.base import Objective
+from litft.objectives.rewards import load_rewards
+
+ROLLOUT_STATS = ("rollout_steps", "prompts", "completions", "completion_tokens", "cut", "equal_groups", "entropy", "generation_s",
+                 "reward", "reward_sq")
+LOSS_STATS = ("loss_tokens", "clipped_tokens", "kl", "ratio")
+
+
+def token_losses(logp: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor, sequence: torch.Tensor, sequences: int, args: ObjectiveArgs,
+                 reference: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each completion token's loss, whether its clip was active, and the ratio it used; ``sequence``: its completion's index."""
+    low, high = args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    token_advantage = advantage[sequence]
+    if args.importance == "sequence":  # GSPO: one ratio per completion, from the mean of its tokens' log-ratios
+        lengths = torch.zeros(sequences, dtype=logp.dtype, device=logp.device).index_add(0, sequence, torch.ones_like(logp))
+        mean = torch.zeros(sequences, dtype=logp.dtype, device=logp.device).index_add(0, sequence, logp - old) / lengths.clamp(min=1)
+        ratio = torch.exp(mean)[sequence]
+    else:
+        ratio = torch.exp(logp - old)
+    clipped = ratio.clamp(1 - low, 1 + high)
+    losses = -torch.minimum(ratio * token_advantage, clipped * token_advantage)
+    active = ((ratio < 1 - low) & (token_advantage < 0)) | ((ratio > 1 + high) & (token_advantage > 0))
+    if reference is not None:
+        delta = reference - logp
+        losses = losses + args.effective_beta * (torch.exp(delta) - delta - 1)
+    return losses, active, ratio
+
+
+def loss_sum_of(losses: torch.Tensor, sequence: torch.Tensor, sequences: int, norm: str, max_new_tokens: int) -> torch.Tensor:
+    """The micro-batch's share of the step's loss, as ``norm`` weighs tokens (the loop divides by ``count``)."""
+    if norm == "token":
+        return losses.sum()
+    if norm == "constant":
+        return losses.sum() / max_new_tokens
+    lengths = torch.zeros(sequences, dtype=losses.dtype, device=losses.device).index_add(0, sequence, torch.ones_like(losses))
+    sums = torch.zeros(sequences, dtype=losses.dtype, device=losses.device).index_add(0, sequence, losses)
+    return (sums / lengths.clamp(min=1)).sum()
+
+
+class GroupRelative(Objective):
+    """GRPO and its variants: rollouts of each prompt's group, their rewards' advantages, the clipped ratio loss."""
+
+    unit = "prompts"
+    progress = (("reward", "reward_mean", ".3f"), ("len", "completion_length", ".0f"))
+    generates = True  # the batches are sampled by the model as it trains (litft.rollouts)
+
+    def __init__(self, args: ObjectiveArgs, lora: bool):
+        super().__init__(args, lora)
+        self.name = args.name
+        self.rewards = load_rewards(args.rewards, args.format_pattern)
+        self.weights = list(args.reward_weights or [1.0] * len(self.rewards))
+        self.stats = ROLLOUT_STATS + tuple(f"{n}/{s}" for n in self.rewards for s in ("sum", "sq", "count")) + LOSS_STATS
+        self.uses_reference = args.effective_beta > 0
+        self.reference_forwards = int(self.uses_reference) + int(args.iterations > 1)  # KL's reference, the sampler's log-probs
+        self.steps_per_batch = args.iterations
+
+    @classmethod
+    def default_data(cls):
+        from litft.data.prompts import TinyPrompts
+
+        return TinyPrompts()
+
+    @classmethod
+    def check_data(cls, args: ObjectiveArgs, data) -> None:
+        from litft.data.prompts import PromptData
+
+        if not isinstance(data, PromptData):
+            raise LitftError(f"--objective {args.name} samples completions of prompts; give --data Prompts (prompt records) or TinyPrompts, "
+                             f"not {type(data).__name__}")
+
+    def count(self, batch: dict) -> int:
+        return len(batch["targets"]["index"]) if self.args.loss_norm == "token" else len(batch["advantage"])
+
+    def figure_vector(self, device, **values) -> torch.Tensor:
+        vector = torch.zeros(len(self.stats), dtype=torch.float64, device=device)
+        for name, value in values.items():
+            vector[self.stats.index(name)] = value
+        return vector
+
+    def loss_sum(self, lm, batch: dict) -> torch.Tensor:
+        targets = batch["targets"]
+        logp, aux = lm.token_log_probs(batch)
+        logp = logp.float()
+        old = batch["old_logp"].float() if "old_logp" in batch else logp.detach()
+        reference = None
+        if self.uses_reference:
+            with torch.no_grad(), lm.model.disable_adapter():
+                reference = lm.token_log_probs(batch)[0].float()
+        sequences = len(batch["advantage"])
+        losses, active, ratio = token_losses(logp, old, batch["advantage"].float(), targets["sequence"], sequences, self.args, reference)
+        with torch.no_grad():
+            kl = torch.zeros((), device=logp.device) if reference is None else (torch.exp(reference - logp) - (reference - logp) - 1).sum()
+            self.pending.append(self.figure_vector(logp.device, loss_tokens=float(len(logp)), clipped_tokens=active.double().sum(),
+                                                   kl=kl.double(), ratio=ratio.double().sum()))
+        loss = loss_sum_of(losses, targets["sequence"], sequences, self.args.loss_norm, self.args.max_new_tokens)
+        return lm.with_router_aux(loss, aux, self.count(batch))
+
+    def figures(self, summed: torch.Tensor, prefix: str = "") -> Dict[str, float]:
+        value = dict(zip(self.stats, summed.tolist()))
+        out = {}
+        completions = value["completions"]
+        if completions:
+            mean = value["reward"] / completions
+            out.update(reward_mean=mean, reward_std=math.sqrt(max(value["reward_sq"] / completions - mean * mean, 0.0)),
+                       completion_length=value["completion_tokens"] / completions, cut_share=value["cut"] / completions,
+                       equal_reward_groups=value["equal_groups"] / max(value["prompts"], 1),
+                       entropy=value["entropy"] / max(value["completion_tokens"], 1))
+            steps = max(value["rollout_steps"], 1)
+            out.update(generation_s=value["generation_s"] / steps,
+                       generation_tokens_per_s=value["completion_tokens"] / max(value["generation_s"], 1e-9))
+            for name in self.rewards:
+                n = value[f"{name}/count"]
+                if n:
+                    fn_mean = value[f"{name}/sum"] / n
+                    out[f"reward/{name}_mean"] = fn_mean
+                    out[f"reward/{name}_std"] = math.sqrt(max(value[f"{name}/sq"] / n - fn_mean * fn_mean, 0.0))
+        if value["loss_tokens"]:
+            out.update(clip_fraction=value["clipped_tokens"] / value["loss_tokens"], ratio_mean=value["ratio"] / value["loss_tokens"])
+            if self.uses_reference:
+                out["kl"] = value["kl"] / value["loss_tokens"]
+        return {f"{prefix}{k}": v for k, v in out.items()}
+
+    def validation_figures(self, val_loss: float, summed: Optional[torch.Tensor]) -> Dict[str, float]:
+        return {}
+
+    def step_batches(self, trainer):
+        from litft.rollouts import RolloutBatches
+
+        return RolloutBatches(trainer, self)
+
+    def validation(self, trainer) -> Optional[Dict[str, float]]:
+        """The held-out prompts' mean reward, one greedy completion each (and each function's)."""
+        from litft.rollouts import held_out_reward
+
+        return held_out_reward(trainer, self)
+
+    def prepare(self, trainer, resumed: Optional[Path]) -> None:
+        trainer.batches_resume_from = resumed  # the rollouts of a cycle of iterations a checkpoint was cut in (litft.rollouts)
+
+    def describe(self) -> str:
+        a = self.args
+        high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
+        return (f"grpo: {a.group_size} completions per prompt (up to {a.max_new_tokens} tokens, temperature {a.temperature}, top_p {a.top_p}); "
+                f"rewards {', '.join(f'{n} x{w:g}' for n, w in zip(self.rewards, self.weights))}; advantages scaled by {a.scale_advantages}; "
+                f"{a.importance} ratio clipped to [{1 - a.epsilon:g}, {1 + high:g}]; {a.loss_norm} loss; {a.iterations} step(s) per batch of rollouts"
+                + (f"; KL {a.effective_beta:g} against the base with the adapter off" if self.uses_reference else ""))

@@ -1,0 +1,318 @@
+"""Rollouts for online RL: completions sampled by the model as it trains, scored, and served to the loop as micro-batches.
+
+The engine is an interface (``Engine.sample``) so that another one (vLLM) can come later
+without touching the loop; the first is transformers' ``generate`` on the trained weights,
+under every strategy (FSDP2 and ZeRO-3 gather as they train, every rank making the same
+number of forwards, ``synced_gpus``). Rollouts are a function of (seed, epoch, step,
+prompt index) and never of the rank layout: each prompt's completions are sampled
+together, on one rank, from a generator seeded by those four numbers, so two ranks
+sample what one process samples, and a resumed run samples what the uninterrupted one did.
+"""
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from litft.data.collate import collate, sequence_of
+from litft.data.order import SampleOrder
+from litft.data.prompts import columns_of
+from litft.data.samples import IGNORE_INDEX
+from litft.evaluation import stop_tokens
+from litft.objectives.rewards import group_advantages, score_completions, weighted_sum
+
+ROLLOUTS_FILE = "rollouts.pt"  # a cycle's rollouts in a checkpoint cut inside it (--objective.iterations above 1)
+
+
+def rollout_seed(seed: int, epoch: int, cycle: int, prompt: int) -> int:
+    return int(hashlib.sha256(f"{seed}:{epoch}:{cycle}:{prompt}".encode()).hexdigest()[:15], 16)
+
+
+class Entropy:
+    """A logits processor that adds up each row's entropy at the sampling temperature while it has not stopped (on the device)."""
+
+    def __init__(self, rows: int, temperature: float, stops: Sequence[int], device):
+        self.temperature = temperature
+        self.sums = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.live = torch.ones(rows, dtype=torch.bool, device=device)
+        self.stops = torch.tensor(list(stops), device=device)
+        self.started = False
+
+    def __call__(self, input_ids, scores):
+        if self.started:  # the token just chosen ends its row
+            self.live &= ~torch.isin(input_ids[:, -1], self.stops)
+        self.started = True
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        entropy = -(logp.exp() * logp).nan_to_num().sum(-1)
+        self.sums += torch.where(self.live, entropy.double(), 0.0)
+        return scores
+
+
+class Engine:
+    """What samples completions: ``sample`` gives ``count`` completions (token ids, ended by a stop token unless cut) of a prompt."""
+
+    def sample(self, prompt_ids: List[int], count: int, seed: int) -> Tuple[List[List[int]], List[bool], float]:
+        """Completions, whether each was cut at max_new_tokens, and their summed entropy."""
+        raise NotImplementedError
+
+
+class TransformersEngine(Engine):
+    """transformers' generate on the weights being trained, with a KV cache, the model in eval mode while it samples."""
+
+    def __init__(self, fabric, module, tokenizer, max_new_tokens: int, temperature: float, top_p: float):
+        self.fabric, self.tokenizer = fabric, tokenizer
+        self.model = module.module.model if hasattr(module, "module") else module.model
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.stops = stop_tokens(self.model, tokenizer)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], greedy: bool, processors=()):
+        with self.fabric.autocast():
+            return self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=self.max_new_tokens, do_sample=not greedy,
+                temperature=None if greedy else self.temperature, top_p=None if greedy else self.top_p, top_k=None if greedy else 0,
+                pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.stops, synced_gpus=self.fabric.world_size > 1,
+                logits_processor=list(processors) or None,
+            )
+
+    def completion(self, row: torch.Tensor) -> Tuple[List[int], bool]:
+        """A generated row cut after its first stop token; whether it ran to max_new_tokens without one."""
+        tokens = row.tolist()
+        for i, token in enumerate(tokens):
+            if token in self.stops:
+                return tokens[: i + 1], False
+        return tokens, True
+
+    def sample(self, prompt_ids: List[int], count: int, seed: int) -> Tuple[List[List[int]], List[bool], float]:
+        device = self.fabric.device
+        entropy = Entropy(count, self.temperature, self.stops, device)
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the training's generators go on as if nothing was sampled
+            torch.manual_seed(seed)
+            ids = torch.tensor([prompt_ids] * count, device=device)
+            out = self.generate(ids, torch.ones_like(ids), greedy=False, processors=[entropy])
+        pieces = [self.completion(row) for row in out[:, len(prompt_ids):].cpu()]
+        return [p for p, _ in pieces], [cut for _, cut in pieces], float(entropy.sums.sum())
+
+
+def gather(fabric, value):
+    """Every rank's ``value``, in rank order (just this one's in one process)."""
+    if fabric.world_size == 1:
+        return [value]
+    out = [None] * fabric.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+class RolloutBatches:
+    """The loop's step batches under RL: each cycle's prompts sampled, scored and cut into micro-batches of completions."""
+
+    def __init__(self, trainer, objective):
+        spec, self.trainer, self.objective = trainer.spec, trainer, objective
+        args, train = objective.args, spec.train
+        self.args, self.fabric, self.pad = args, trainer.fabric, trainer.tokenizer.pad_token_id
+        self.prompts = trainer.data.train
+        place = trainer.context
+        self.order = SampleOrder(len(self.prompts), train.global_batch_size, train.global_batch_size // place.data_world, place.data_rank,
+                                 place.data_world, spec.seed)
+        self.engine = TransformersEngine(trainer.fabric, trainer.module, trainer.tokenizer, args.max_new_tokens, args.temperature, args.top_p)
+        self.micro_batch_size, self.padding_free, self.seed = train.micro_batch_size, trainer.padding_free, spec.seed
+        self.cycle: Optional[Tuple[int, int]] = None
+        self.micro: List[dict] = []
+        self.stored = self.read_stored(getattr(trainer, "batches_resume_from", None))
+
+    def read_stored(self, resumed: Optional[Path]) -> dict:
+        path = resumed / ROLLOUTS_FILE if resumed is not None else None
+        return torch.load(path, weights_only=True) if path is not None and path.is_file() else {}
+
+    def position(self, epoch: int, step: int) -> Tuple[int, int]:
+        per_epoch = self.order.steps_per_epoch * self.args.iterations
+        return (epoch + 1, 0) if step >= per_epoch else (epoch, step)
+
+    def get(self, epoch: int, step: int) -> List[dict]:
+        cycle = (epoch, step // self.args.iterations)
+        if cycle != self.cycle:
+            self.cycle, self.micro = cycle, self.roll(*cycle, first_step=self.trainer.state.step + 1)
+        return self.micro
+
+    def close(self) -> None:
+        pass
+
+    def roll(self, epoch: int, cycle: int, first_step: int) -> List[dict]:
+        """This rank's rollouts of a cycle as micro-batches: sampled (or read back from the checkpoint), scored, advantaged."""
+        args, fabric = self.args, self.fabric
+        mine = [i for micro in self.order.micro_batches(epoch, cycle) for i in micro]
+        started = time.perf_counter()
+        stored = self.stored.get("groups") if self.stored.get("cycle") == [epoch, cycle] else None
+        groups, entropy = [], 0.0
+        for index in mine:
+            if stored is not None:
+                groups.append(stored[index])
+                continue
+            prompt = self.prompts[index]["input_ids"].tolist()
+            completions, cuts, group_entropy = self.engine.sample(prompt, args.group_size, rollout_seed(self.seed, epoch, cycle, index))
+            entropy += group_entropy
+            groups.append({"completions": completions, "cuts": cuts})
+        generation_s = time.perf_counter() - started
+        rewards, by_function = self.score(mine, groups)
+        batch_std = None
+        if args.scale_advantages == "batch":
+            totals = torch.tensor([rewards.sum(), (rewards ** 2).sum(), rewards.numel()], dtype=torch.float64, device=fabric.device)
+            totals = fabric.all_reduce(totals, reduce_op="sum") if fabric.world_size > 1 else totals
+            mean = float(totals[0] / totals[2])
+            batch_std = max(float(totals[1] / totals[2]) - mean * mean, 0.0) ** 0.5
+        advantages = group_advantages(rewards, args.scale_advantages, batch_std)
+        samples, per_sample = [], []
+        for g, (index, group) in enumerate(zip(mine, groups)):
+            prompt = self.prompts[index]["input_ids"]
+            for j, completion in enumerate(group["completions"]):
+                ids = torch.cat([prompt, torch.tensor(completion, dtype=torch.long)])
+                labels = torch.cat([torch.full_like(prompt, IGNORE_INDEX), torch.tensor(completion, dtype=torch.long)])
+                samples.append({"input_ids": ids, "labels": labels, "id": torch.tensor(index * args.group_size + j)})
+                per_sample.append(float(advantages[g, j]))
+        micro = []
+        for start in range(0, len(samples), self.micro_batch_size):
+            batch = collate(samples[start : start + self.micro_batch_size], self.pad, self.padding_free)
+            batch["targets"]["sequence"] = sequence_of(batch["targets"]["index"], batch["position_ids"])
+            batch["advantage"] = torch.tensor(per_sample[start : start + self.micro_batch_size], dtype=torch.float32)
+            micro.append(batch)
+        if args.iterations > 1:
+            self.sampler_log_probs(micro, mine, groups, stored)
+        self.record(epoch, cycle, first_step, mine, groups, rewards, by_function, advantages, entropy, generation_s, micro)
+        return micro
+
+    def score(self, mine: List[int], groups: List[dict]):
+        """Each completion's reward (prompts, group), and each function's values, from the reward functions."""
+        tokenizer, objective = self.trainer.tokenizer, self.objective
+        prompts, completions, ids, columns = [], [], [], {}
+        for index, group in zip(mine, groups):
+            text = tokenizer.decode(self.prompts[index]["input_ids"], skip_special_tokens=True)
+            extra = columns_of(self.prompts[index])
+            for completion in group["completions"]:
+                prompts.append(text)
+                completions.append(tokenizer.decode(completion, skip_special_tokens=True))
+                ids.append(completion)
+                for key, value in extra.items():
+                    columns.setdefault(key, []).append(value)
+        by_function = score_completions(objective.rewards, objective.weights, prompts, completions, ids, columns) if ids else {}
+        total = weighted_sum(by_function, objective.weights) if ids else []
+        rewards = torch.tensor(total, dtype=torch.float64).reshape(len(groups), self.args.group_size)
+        return rewards, by_function
+
+    @torch.no_grad()
+    def sampler_log_probs(self, micro: List[dict], mine: List[int], groups: List[dict], stored) -> None:
+        """The completions' log-probs under the policy that sampled them (the ratio's denominator for every iteration)."""
+        lm, fabric = self.trainer.lm, self.fabric
+        if stored is not None:  # read back with the rollouts: the weights that sampled them are gone
+            flat = torch.cat([torch.cat(g["old_logp"]) for g in groups]) if groups else torch.zeros(0)
+        else:
+            was = lm.training
+            lm.eval()
+            parts = []
+            for batch in micro:
+                with fabric.autocast():
+                    parts.append(lm.token_log_probs(fabric.to_device(batch))[0].float().cpu())
+            lm.train(was)
+            flat = torch.cat(parts) if parts else torch.zeros(0)
+        start = 0
+        for batch in micro:
+            n = len(batch["targets"]["index"])
+            batch["old_logp"] = flat[start : start + n]
+            start += n
+
+    def record(self, epoch, cycle, first_step, mine, groups, rewards, by_function, advantages, entropy, generation_s, micro) -> None:
+        """The cycle's figures for the log, its rollouts in out_dir/rollouts/step-N.jsonl, and (iterations > 1) in the checkpoints."""
+        objective, fabric, tokenizer = self.objective, self.fabric, self.trainer.tokenizer
+        completions = [c for g in groups for c in g["completions"]]
+        cut = sum(sum(g["cuts"]) for g in groups)
+        equal = int((rewards.max(dim=1).values == rewards.min(dim=1).values).sum()) if len(groups) else 0
+        values = dict(rollout_steps=1.0, prompts=float(len(groups)), completions=float(len(completions)),
+                      completion_tokens=float(sum(map(len, completions))), cut=float(cut), equal_groups=float(equal), entropy=entropy,
+                      generation_s=generation_s, reward=float(rewards.sum()), reward_sq=float((rewards ** 2).sum()))
+        for name, scores in by_function.items():
+            judged = [s for s in scores if s is not None]
+            values.update({f"{name}/sum": sum(judged), f"{name}/sq": sum(s * s for s in judged), f"{name}/count": float(len(judged))})
+        objective.pending.append(objective.figure_vector(fabric.device, **values))
+        rows, k = [], 0
+        for g, (index, group) in enumerate(zip(mine, groups)):
+            prompt = tokenizer.decode(self.prompts[index]["input_ids"], skip_special_tokens=True)
+            for j, completion in enumerate(group["completions"]):
+                rows.append({"prompt_index": index, "completion_index": j, "prompt": prompt,
+                             "completion": tokenizer.decode(completion, skip_special_tokens=True), "cut": group["cuts"][j],
+                             "rewards": {name: scores[k] for name, scores in by_function.items()}, "reward": float(rewards[g, j]),
+                             "advantage": float(advantages[g, j])})
+                k += 1
+        everyone = gather(fabric, rows)
+        if self.args.iterations > 1:
+            stored = {index: group for index, group in zip(mine, with_old_logp(groups, micro))}
+            merged = {}
+            for part in gather(fabric, stored):
+                merged.update(part)
+            self.trainer.checkpointer.extras[ROLLOUTS_FILE] = {"cycle": [epoch, cycle], "groups": merged}
+        if fabric.is_global_zero:
+            folder = self.trainer.spec.out_dir / "rollouts"
+            folder.mkdir(parents=True, exist_ok=True)
+            ordered = sorted((r for part in everyone for r in part), key=lambda r: (r["prompt_index"], r["completion_index"]))
+            (folder / f"step-{first_step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ordered))
+
+
+def with_old_logp(groups: List[dict], micro: List[dict]) -> List[dict]:
+    """Each group with its completions' sampler log-probs, split back from the micro-batches (targets in sample order)."""
+    flat = torch.cat([b["old_logp"] for b in micro]) if micro else torch.zeros(0)
+    out, start = [], 0
+    for group in groups:
+        parts = []
+        for completion in group["completions"]:
+            parts.append(flat[start : start + len(completion)].clone())
+            start += len(completion)
+        out.append({**group, "old_logp": parts})
+    return out
+
+
+@torch.no_grad()
+def held_out_reward(trainer, objective) -> Optional[Dict[str, float]]:
+    """The mean reward of one greedy completion of each held-out prompt, every rank its share, and each function's mean."""
+    data, fabric = trainer.data, trainer.fabric
+    if not data.val:
+        return None
+    engine = TransformersEngine(fabric, trainer.module, trainer.tokenizer, objective.args.max_new_tokens, 1.0, 1.0)
+    place = trainer.context
+    mine = list(range(place.data_rank, len(data.val), place.data_world))
+    per_rank = -(-len(data.val) // place.data_world)
+    engine.model.eval()
+    prompts, completions, ids, columns = [], [], [], {}
+    for start in range(0, per_rank, trainer.spec.train.micro_batch_size):
+        chunk = mine[start : start + trainer.spec.train.micro_batch_size]
+        batch = chunk or [0]  # a stand-in: every rank makes the same generate calls
+        width = max(len(data.val[i]["input_ids"]) for i in batch)
+        input_ids = torch.full((len(batch), width), trainer.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):  # left padding: every completion starts at the same column
+            n = len(data.val[i]["input_ids"])
+            input_ids[row, width - n :], mask[row, width - n :] = data.val[i]["input_ids"], 1
+        out = engine.generate(input_ids.to(fabric.device), mask.to(fabric.device), greedy=True)
+        for i, row in zip(chunk, out[:, width:].cpu()):
+            completion, _ = engine.completion(row)
+            prompts.append(trainer.tokenizer.decode(data.val[i]["input_ids"], skip_special_tokens=True))
+            completions.append(trainer.tokenizer.decode(completion, skip_special_tokens=True))
+            ids.append(completion)
+            for key, value in columns_of(data.val[i]).items():
+                columns.setdefault(key, []).append(value)
+    engine.model.train()
+    by_function = score_completions(objective.rewards, objective.weights, prompts, completions, ids, columns) if ids else {}
+    total = weighted_sum(by_function, objective.weights) if ids else []
+    sums = [sum(total), float(len(total))]
+    for name in objective.rewards:
+        judged = [v for v in by_function.get(name, []) if v is not None]
+        sums += [sum(judged), float(len(judged))]
+    reduced = torch.tensor(sums, dtype=torch.float64, device=fabric.device)
+    reduced = fabric.all_reduce(reduced, reduce_op="sum") if fabric.world_size > 1 else reduced
+    values = reduced.tolist()
+    out = {"val_reward": values[0] / max(values[1], 1.0)}
+    for k, name in enumerate(objective.rewards):
+        out[f"val_reward/{name}"] = values[2 + 2 * k] / max(values[3 + 2 * k], 1.0)
+    return out

@@ -1,0 +1,164 @@
+"""GRPO and its variants against implementations written apart from litft, from the papers' formulas, on the same rollouts.
+
+DeepSeekMath (GRPO): per completion the token mean of min(r A, clip(r) A), then the mean over completions; DAPO: one
+token mean over every completion token of the batch, the clip's upper edge of its own; Dr. GRPO: unscaled advantages and
+sums over a constant length; GSPO: one ratio per completion, exp of the mean token log-ratio. KL: k3 = e^(ref - logp) -
+(ref - logp) - 1.
+"""
+
+import contextlib
+import math
+import statistics
+
+import pytest
+import torch
+
+from litft.config import ObjectiveArgs
+from litft.errors import LitftError
+from litft.objectives import build_objective
+from litft.objectives.rewards import exact_match, format_reward, load_rewards, score_completions, weighted_sum
+from litft.objectives.rewards import group_advantages
+
+EPS = 1e-4
+
+
+def paper_advantages(rewards, scale):
+    groups = [list(map(float, row)) for row in rewards]
+    flat = [r for row in groups for r in row]
+    batch_std = statistics.pstdev(flat) if scale == "batch" else None
+    out = []
+    for row in groups:
+        mean = sum(row) / len(row)
+        if scale == "group":
+            out.append([(r - mean) / (statistics.stdev(row) + EPS) for r in row])
+        elif scale == "batch":
+            out.append([(r - mean) / (batch_std + EPS) for r in row])
+        else:
+            out.append([r - mean for r in row])
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_follow_the_papers(scale):
+    rewards = torch.tensor([[1.0, 0.0, 0.5, 0.0], [2.0, 2.0, 1.0, 0.0]], dtype=torch.float64)
+    flat = rewards.flatten()
+    batch_std = float(((flat - flat.mean()) ** 2).mean().sqrt())
+    got = group_advantages(rewards, scale, batch_std if scale == "batch" else None, eps=EPS)
+    torch.testing.assert_close(got, torch.tensor(paper_advantages(rewards.tolist(), scale), dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def paper_loss(logps, olds, refs, advantages, args):
+    """The batch's loss from the formulas: lists per completion of token tensors (logp with gradient), in plain loops."""
+    low, high = args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon
+    beta = args.effective_beta
+    per_completion, tokens = [], 0
+    for logp, old, ref, a in zip(logps, olds, refs, advantages):
+        terms = []
+        seq_ratio = torch.exp(sum(l - o for l, o in zip(logp, old)) / len(logp))
+        for t in range(len(logp)):
+            ratio = seq_ratio if args.importance == "sequence" else torch.exp(logp[t] - old[t])
+            term = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - low, 1 + high) * a)
+            if beta > 0:
+                d = ref[t] - logp[t]
+                term = term + beta * (torch.exp(d) - d - 1)
+            terms.append(term)
+        per_completion.append(terms)
+        tokens += len(terms)
+    if args.loss_norm == "token":
+        return sum(sum(t) for t in per_completion) / tokens
+    if args.loss_norm == "sequence":
+        return sum(sum(t) / len(t) for t in per_completion) / len(per_completion)
+    return sum(sum(t) for t in per_completion) / (len(per_completion) * args.max_new_tokens)
+
+
+VARIANTS = {
+    "grpo": dict(loss_norm="sequence", scale_advantages="group"),
+    "dapo": dict(loss_norm="token", scale_advantages="group", epsilon_high=0.28),
+    "dr-grpo": dict(loss_norm="constant", scale_advantages="none", max_new_tokens=9),
+    "gspo": dict(loss_norm="sequence", importance="sequence", epsilon=3e-4, epsilon_high=4e-4),
+    "kl": dict(loss_norm="token", beta=0.04),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_each_variant_gives_the_papers_loss_and_gradients(variant, iterations):
+    """On the same rollouts, through the objective's own loss_sum and the loop's division by the batch's count: the loss
+    1e-6 and the gradients 1e-5 of the formulas. With iterations 2 the sampler's log-probs differ from the policy's by up
+    to 0.5, so the clip is active for some tokens (asserted)."""
+    args = ObjectiveArgs(name="grpo", iterations=iterations, **VARIANTS[variant])
+    objective = build_objective(args, lora=True)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [3, 5, 2, 6]
+    logits = torch.randn(sum(lengths), generator=generator, dtype=torch.float64)
+    old = (logits - (torch.rand(len(logits), generator=generator, dtype=torch.float64) - 0.5)) if iterations > 1 else None
+    reference = logits + 0.1 * torch.randn(len(logits), generator=generator, dtype=torch.float64)
+    advantage = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=torch.float64)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+    class FakeLM:
+        """What the objective asks of the model: the target tokens' log-probs (the policy's, then the reference's)."""
+
+        model = type("Base", (), {"disable_adapter": staticmethod(contextlib.nullcontext)})()
+
+        def __init__(self, *values):
+            self.values = iter(values)
+
+        def token_log_probs(self, batch):
+            return next(self.values), None
+
+        def with_router_aux(self, loss, aux, weight):
+            return loss
+
+    theirs = logits.clone().requires_grad_()
+    split = list(theirs.split(lengths))
+    olds = [t.detach() for t in split] if old is None else list(old.split(lengths))
+    expected = paper_loss(split, olds, list(reference.split(lengths)), advantage.tolist(), args)
+    expected.backward()
+
+    ours = logits.clone().requires_grad_()
+    lm = FakeLM(ours, reference)
+    batch = {"targets": {"index": torch.arange(len(logits)), "sequence": sequence}, "advantage": advantage}
+    if old is not None:
+        batch["old_logp"] = old
+    loss = objective.loss_sum(lm, batch) / objective.count(batch)
+    loss.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-6 * max(1.0, abs(expected.item())), (loss.item(), expected.item())
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-8)
+    figures = objective.figures(objective.take_figures())
+    if iterations > 1:
+        assert figures["clip_fraction"] > 0, figures
+    if variant == "kl":
+        assert figures["kl"] > 0
+
+
+def test_rewards_take_trls_signature_and_none_leaves_the_sum():
+    prompts, completions = ["p"] * 3, ["a b", " x ", "nope"]
+    rewards = score_completions({"exact_match": exact_match, "format": format_reward(r"[a-z ]+")}, [1.0, 0.5], prompts, completions,
+                                [[1], [2], [3]], {"answer": ["a b", None, "yes"]})
+    assert rewards == {"exact_match": [1.0, None, 0.0], "format": [1.0, 1.0, 1.0]}
+    assert weighted_sum(rewards, [1.0, 0.5]) == [1.5, 0.5, 0.5]
+    functions = load_rewards("exact_match, tests.unit.test_rl:length_reward", "x")
+    assert list(functions) == ["exact_match", "length_reward"]
+    with pytest.raises(LitftError, match="cannot be imported"):
+        load_rewards("nowhere:reward", "x")
+    with pytest.raises(LitftError, match="returned 1 values for 3 completions"):
+        score_completions({"bad": lambda **kw: [1.0]}, [1.0], prompts, completions, [[1], [2], [3]], {})
+
+
+def length_reward(prompts, completions, completion_ids, **columns):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def test_grpo_flags_are_checked_in_one_line():
+    for args, message in [
+        (dict(group_size=1), "--objective.group_size must be at least 2"),
+        (dict(reward_weights=[1.0, 2.0]), "has 2 weights for 1 reward functions"),
+        (dict(top_p=0.0), "--objective.top_p"),
+        (dict(epsilon=1.0), "--objective.epsilon clips"),
+    ]:
+        with pytest.raises(LitftError, match=message):
+            ObjectiveArgs(name="grpo", **args).check(lora=True)
+    with pytest.raises(LitftError, match="finetune_full keeps no frozen copy"):
+        ObjectiveArgs(name="grpo", beta=0.1).check(lora=False)
+    assert math.isclose(ObjectiveArgs(name="grpo").effective_beta, 0.0)
