@@ -136,7 +136,8 @@ class RolloutBatches:
     def get(self, epoch: int, step: int) -> List[dict]:
         cycle = (epoch, step // self.args.iterations)
         if cycle != self.cycle:
-            self.cycle, self.micro = cycle, self.roll(*cycle, first_step=self.trainer.state.step + 1)
+            first_step = self.trainer.state.step + 1 - step % self.args.iterations  # where a resumed run re-enters a cycle
+            self.cycle, self.micro = cycle, self.roll(*cycle, first_step=first_step)
         return self.micro
 
     def close(self) -> None:
@@ -182,7 +183,9 @@ class RolloutBatches:
             micro.append(batch)
         if args.iterations > 1:
             self.sampler_log_probs(micro, mine, groups, stored)
-        self.record(epoch, cycle, first_step, mine, groups, rewards, by_function, advantages, entropy, generation_s, micro)
+            self.keep(epoch, cycle, mine, groups, micro)
+        if stored is None:  # a cycle read back was logged and written by the run that sampled it
+            self.record(first_step, mine, groups, rewards, by_function, advantages, entropy, generation_s)
         return micro
 
     def score(self, mine: List[int], groups: List[dict]):
@@ -224,8 +227,15 @@ class RolloutBatches:
             batch["old_logp"] = flat[start : start + n]
             start += n
 
-    def record(self, epoch, cycle, first_step, mine, groups, rewards, by_function, advantages, entropy, generation_s, micro) -> None:
-        """The cycle's figures for the log, its rollouts in out_dir/rollouts/step-N.jsonl, and (iterations > 1) in the checkpoints."""
+    def keep(self, epoch: int, cycle: int, mine: List[int], groups: List[dict], micro: List[dict]) -> None:
+        """Every rank's rollouts of the cycle, with their sampler log-probs, in the checkpoints cut inside it."""
+        merged = {}
+        for part in gather(self.fabric, {index: group for index, group in zip(mine, with_old_logp(groups, micro))}):
+            merged.update(part)
+        self.trainer.checkpointer.extras[ROLLOUTS_FILE] = {"cycle": [epoch, cycle], "groups": merged}
+
+    def record(self, first_step, mine, groups, rewards, by_function, advantages, entropy, generation_s) -> None:
+        """The cycle's figures for the log, and its rollouts in out_dir/rollouts/step-N.jsonl."""
         objective, fabric, tokenizer = self.objective, self.fabric, self.trainer.tokenizer
         completions = [c for g in groups for c in g["completions"]]
         cut = sum(sum(g["cuts"]) for g in groups)
@@ -247,12 +257,6 @@ class RolloutBatches:
                              "advantage": float(advantages[g, j])})
                 k += 1
         everyone = gather(fabric, rows)
-        if self.args.iterations > 1:
-            stored = {index: group for index, group in zip(mine, with_old_logp(groups, micro))}
-            merged = {}
-            for part in gather(fabric, stored):
-                merged.update(part)
-            self.trainer.checkpointer.extras[ROLLOUTS_FILE] = {"cycle": [epoch, cycle], "groups": merged}
         if fabric.is_global_zero:
             folder = self.trainer.spec.out_dir / "rollouts"
             folder.mkdir(parents=True, exist_ok=True)

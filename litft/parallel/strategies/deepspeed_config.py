@@ -36,7 +36,9 @@ def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, layout: Layout, prec
     the model's ``hidden_size``, communication overlaps the backward in sized buckets
     wherever the config leaves them out or says "auto" (``zero_buckets``).
     """
-    accumulation = train.global_batch_size // (train.micro_batch_size * layout_data_world(layout))
+    # At least 1: under RL the global batch counts prompts and a micro-batch completions, and as the loop owns
+    # accumulation DeepSpeed's count need only be consistent.
+    accumulation = max(1, train.global_batch_size // (train.micro_batch_size * layout_data_world(layout)))
     ours = {
         # DeepSpeed counts a batch per rank; the ranks of a context-parallel group share theirs.
         "train_batch_size": train.micro_batch_size * accumulation * layout.world_size,

@@ -1,0 +1,76 @@
+"""GRPO under every strategy against one process, and stopped inside a cycle of iterations then resumed.
+
+Rollouts depend on (seed, epoch, cycle, prompt) and never on the rank layout, so two ranks sample the
+completions one process samples; the step's loss is then the same sum over the same tokens. Each run
+takes two cycles of two iterations (four steps) with the sampler's log-probs recomputed, a format reward
+that some completions of the random litft-tiny meet and some do not, and one held-out validation.
+The loss formulas themselves are checked against the papers' in tests/unit/test_rl.py.
+"""
+
+import json
+
+import pytest
+
+from tests.batch import Batch
+from tests.conftest import read_metrics, step_losses
+
+COMMON = [
+    "--objective", "grpo", "--objective.group_size", "4", "--objective.max_new_tokens", "8", "--objective.rewards", "format",
+    "--objective.format_pattern", ".*[aeiou].*", "--objective.iterations", "2", "--data.num_train", "16", "--data.num_val", "4",
+    "--train.global_batch_size", "4", "--train.max_steps", "4", "--train.learning_rate", "3e-3", "--train.warmup_steps", "1",
+    "--eval.interval", "4", "--eval.initial_validation", "false", "--precision", "32-true", "--accelerator", "cpu", "--logger_name", "csv",
+]
+JOBS = {"lora": ["finetune_lora", "--lora_r", "4", "--lora_dropout", "0"], "full": ["finetune_full"]}
+TWO = ["--devices", "2", "--train.micro_batch_size", "4"]  # each rank: 2 prompts, 8 completions in 2 micro-batches
+CASES = {
+    "fsdp-full": ("full", ["--strategy", "fsdp", *TWO]),
+    "zero3-lora": ("lora", ["--strategy", "deepspeed", "--deepspeed.stage", "3", *TWO]),
+    "ddp-lora-resumed": ("lora", None),  # stopped after step 1 of a 2-step cycle, resumed
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    batch = Batch(tmp_path_factory.mktemp("rl"))
+    for name, job in JOBS.items():
+        batch.add(f"single-{name}", 1, *job, *COMMON, "--train.micro_batch_size", "8")
+    for case, (name, flags) in CASES.items():
+        if flags is not None:
+            batch.add(case, 2, *JOBS[name], *COMMON, *flags)
+    flags = [*JOBS["lora"], *COMMON, "--strategy", "ddp", *TWO]
+    stopped = batch.add("ddp-lora-stopped", 2, *flags, "--train.stop_after_steps", "1")
+    batch.add("ddp-lora-resumed", 2, *flags, "--resume", "auto", out=stopped)
+    return batch
+
+
+def rollouts(out_dir):
+    rows = {}
+    for path in sorted((out_dir / "rollouts").glob("step-*.jsonl")):
+        rows[path.name] = [json.loads(line) for line in path.read_text().splitlines()]
+    return rows
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_ranks_sample_train_and_validate_as_one_process(case, runs):
+    reference, got = runs.out(f"single-{CASES[case][0]}"), runs.out(case)
+    expected, ours = rollouts(reference), rollouts(got)
+    assert sorted(expected) == ["step-1.jsonl", "step-3.jsonl"] and sorted(ours) == sorted(expected)
+    for name in expected:
+        assert len(ours[name]) == 16
+        for a, b in zip(expected[name], ours[name]):
+            assert {k: a[k] for k in ("prompt", "completion", "rewards", "cut")} == {k: b[k] for k in ("prompt", "completion", "rewards", "cut")}
+            assert a["advantage"] == pytest.approx(b["advantage"], abs=1e-9)
+    rewards = [r["reward"] for rows in expected.values() for r in rows]
+    assert 0 < sum(rewards) < len(rewards), "the format reward should split the completions, or the advantages are all 0"
+    a, b = step_losses(reference), step_losses(got)
+    assert len(a) == len(b) == 4 and all(abs(x - y) <= 1e-5 * abs(x) + 1e-7 for x, y in zip(a, b)), (a, b)
+    assert any(abs(x) > 1e-3 for x in a), a
+    figures = lambda run: [(r["step"], r[k]) for r in read_metrics(run) for k in ("reward_mean", "val_reward", "clip_fraction") if k in r]  # noqa: E731
+    assert figures(got) == pytest.approx(figures(reference), abs=1e-6)
+
+
+def test_the_sampler_state_of_a_cycle_is_in_the_checkpoint(runs):
+    """The run stopped after the first of a cycle's two steps kept the cycle's rollouts and their log-probs beside its weights."""
+    stopped = runs.out("ddp-lora-resumed")
+    first = sorted((stopped / "checkpoints").iterdir())[0]
+    assert (first / "rollouts.pt").is_file()
