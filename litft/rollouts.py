@@ -22,6 +22,7 @@ from litft.data.collate import collate, sequence_of
 from litft.data.order import SampleOrder
 from litft.data.prompts import columns_of
 from litft.data.samples import IGNORE_INDEX
+from litft.errors import LitftError
 from litft.evaluation import stop_tokens
 from litft.objectives.rewards import group_advantages, score_completions, weighted_sum
 
@@ -124,6 +125,19 @@ class RolloutBatches:
         self.cycle: Optional[Tuple[int, int]] = None
         self.micro: List[dict] = []
         self.stored = self.read_stored(getattr(trainer, "batches_resume_from", None))
+        self.check_context(trainer.lm.hf_model.config)
+
+    def check_context(self, config) -> None:
+        """Refuse, before the first step, a prompt whose completions could run past the model's context."""
+        limit = getattr(config, "max_position_embeddings", None)
+        longest = max(range(len(self.prompts)), key=lambda i: len(self.prompts[i]["input_ids"]), default=None)
+        if limit is None or longest is None:
+            return
+        length = len(self.prompts[longest]["input_ids"])
+        if length + self.args.max_new_tokens > limit:
+            raise LitftError(f"step 0: prompt {int(self.prompts[longest]['id'])} is {length} tokens, and with --objective.max_new_tokens "
+                             f"{self.args.max_new_tokens} its completions pass the model's context of {limit}; lower --data.max_seq_length "
+                             "(longer prompts are dropped) or --objective.max_new_tokens")
 
     def read_stored(self, resumed: Optional[Path]) -> dict:
         path = resumed / ROLLOUTS_FILE if resumed is not None else None
@@ -159,7 +173,10 @@ class RolloutBatches:
             entropy += group_entropy
             groups.append({"completions": completions, "cuts": cuts})
         generation_s = time.perf_counter() - started
-        rewards, by_function = self.score(mine, groups)
+        try:
+            rewards, by_function = self.score(mine, groups)
+        except LitftError as err:
+            raise LitftError(f"step {first_step}: {err}") from None
         batch_std = None
         if args.scale_advantages == "batch":
             totals = torch.tensor([rewards.sum(), (rewards ** 2).sum(), rewards.numel()], dtype=torch.float64, device=fabric.device)
@@ -184,6 +201,7 @@ class RolloutBatches:
         if args.iterations > 1:
             self.sampler_log_probs(micro, mine, groups, stored)
             self.keep(epoch, cycle, mine, groups, micro)
+        self.objective.sampling_s += time.perf_counter() - started
         if stored is None:  # a cycle read back was logged and written by the run that sampled it
             self.record(first_step, mine, groups, rewards, by_function, advantages, entropy, generation_s)
         return micro

@@ -191,6 +191,8 @@ class Trainer:
             f"{sum(self.strategy.numel(p) for p in model.parameters() if p.requires_grad):,} trained; "
             f"{'streamed' if streamed else num_train} train / {len(data.val)} val {self.lm.objective.unit}; world size {fabric.world_size}; precision {self.precision}"
         )
+        if self.lm.objective.summary():
+            fabric.print(self.lm.objective.summary())
         self.checkpointer = Checkpointer(
             fabric, self.strategy, self.lm, self.optimizer, self.scheduler, spec.out_dir, spec.train, self._meta(num_train), spec.recorded,
         )

@@ -38,7 +38,7 @@ ESTIMATE_FLAGS = [
     LORA_DROPOUT.but(help="Dropout on the adapters' input (it keeps a copy of their input for backward)."),
     LORA_TARGETS.but(help='Module names to adapt, or "all-linear".'),
     TRAIN.but(default=TrainArgs(micro_batch_size=1), help="Only micro_batch_size and gradient_checkpointing change memory; accumulation does not, as gradients are counted whole beside the activations, where accumulation's later micro-batches have them."),
-    OBJECTIVE.but(help="sft, or a preference objective (dpo, ipo, simpo, orpo): a micro-batch then holds micro_batch_size pairs, two sequences each, and DPO/IPO under LoRA add the reference's no-grad forward."),
+    OBJECTIVE.but(help="sft, a preference objective (dpo, ipo, simpo, orpo: a micro-batch then holds micro_batch_size pairs, two sequences each, and DPO/IPO under LoRA add the reference's no-grad forward), or grpo (a micro-batch holds completions of --seq_len tokens with their prompts; sampling holds one group's KV cache between steps)."),
     Flag("seq_len", int, 2048, "Tokens in each sample of a micro-batch (the data's max_seq_length, or the packed row length; for pairs, prompt plus one response)."),
     Flag("gpu", str, "H100", "The device, by name: H100, H200, A100, A100-40GB, L40S, L4, A10G, ... (memory as torch.cuda reports it)."),
     Flag("device_memory_gb", Optional[float], None, "Memory of one device in GiB; overrides --gpu."),

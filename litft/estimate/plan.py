@@ -136,12 +136,14 @@ def plan_memory(flags: dict) -> dict:
     if experts and layout.expert_parallel > 1:
         buffers.append(("expert dispatch (all-to-all)", Row(experts["dispatch_bytes"], note="one MoE layer's (token, expert) rows, sent and received")))
     context = CUDA_CONTEXT + (NCCL_BUFFERS if layout.world_size > 1 else 0)
+    # RL samples between steps, while the step's activations are freed: counted as max(sampling, activations).
+    generation = build_objective(objective, lora is not None).generation_bytes(config, flags["seq_len"], element_size(compute_dtype(precision)))
 
     gpu_fixed = states.params.gpu + states.grads.gpu + states.optimizer.gpu + context
     gpu_buffers = sum(row.gpu for _, row in buffers)
-    gpu_total = gpu_fixed + max(acts.peak + gpu_buffers, states.step.gpu)
+    gpu_total = gpu_fixed + max(acts.peak + gpu_buffers, states.step.gpu, generation + gpu_buffers)
     other = traced[not train.gradient_checkpointing]
-    gpu_total_other = gpu_fixed + max(other.peak + gpu_buffers, states.step.gpu)
+    gpu_total_other = gpu_fixed + max(other.peak + gpu_buffers, states.step.gpu, generation + gpu_buffers)
     cpu_total = states.params.cpu + states.grads.cpu + states.optimizer.cpu + sum(row.cpu for _, row in buffers) + states.step.cpu
     usable = capacity * (1 - flags["headroom"])
 
@@ -177,6 +179,7 @@ def plan_memory(flags: dict) -> dict:
             "buffers": {name: row(r) for name, r in buffers},
             "cuda_context": {"gpu": int(context), "cpu": 0, "note": "CUDA context" + (" + NCCL" if layout.world_size > 1 else "")},
             "optimizer_step": row(states.step),
+            "generation": {"gpu": int(generation), "cpu": 0, "note": ""},
         },
         "quant_state_bytes": sum(t.quant_state for t in tensors),
         "activations": {
@@ -230,7 +233,9 @@ def render(plan: dict) -> str:
            + f", {e['top_k']} per token; {_count(e['active_parameters'])} active parameters per token, "
            f"{e['flops_per_token'] / 1e9:.2f} GFLOPs per token trained (forward and backward)" for e in [plan.get("experts")] if e]),
         *([f"objective {plan['objective']}: {plan['micro_batch_size']} pairs per micro-batch (two sequences each); reference: {plan['reference']}"]
-          if plan.get("objective", "sft") != "sft" else []),
+          if plan.get("objective", "sft") not in ("sft", "grpo") else []),
+        *([f"objective grpo: {plan['micro_batch_size']} completions per micro-batch, each prompt plus completion up to {plan['seq_len']} "
+           f"tokens; sampling one prompt's group at a time; KL reference: {plan['reference']}"] if plan.get("objective") == "grpo" else []),
         "",
         f"{'per rank (the fullest), GiB':<34}{'GPU':>8}  {'CPU':>8}",
     ]
@@ -254,6 +259,8 @@ def render(plan: dict) -> str:
     step = rank["optimizer_step"]
     if step["gpu"] or step["cpu"]:
         line("optimizer step (temporary)", step, "while activations are freed: counted as max(step, activations + buffers)")
+    if rank.get("generation", {}).get("gpu"):
+        line("sampling (between steps)", rank["generation"], "a group's KV cache and logits, while activations are freed: counted as their max")
     total = plan["total"]
     lines.append("-" * 54)
     lines.append(f"{'peak':<34}{_gib(total['gpu'])}  {_gib(total['cpu'])}")

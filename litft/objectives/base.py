@@ -84,6 +84,10 @@ class Objective:
         """The loop's source of step batches where the objective makes its own (RL's rollouts); None: the data's, as collated."""
         return None
 
+    def window_times(self, window_s: float, steps: int, tokens: int) -> Dict[str, float]:
+        """Figures of the time a log window of ``steps`` steps took (RL: training's share apart from sampling's)."""
+        return {}
+
     def validation(self, trainer) -> Optional[Dict[str, float]]:
         """What validation logs where the objective measures it itself (RL's held-out reward); None: the loss on the data."""
         return None
@@ -94,10 +98,18 @@ class Objective:
         """Whatever the objective needs before training (a reference's scores, read back from ``resumed`` when resuming)."""
 
     def describe(self) -> Optional[str]:
+        """Where its reference comes from and what it costs (the estimate's line), where it has one."""
+        return None
+
+    def summary(self) -> Optional[str]:
         """A first-screen line about the objective, where it has something to say."""
         return None
 
     # ------------------------------------------------------------ the estimate
+
+    def generation_bytes(self, config, seq_len: int, itemsize: int) -> int:
+        """Device memory its sampling holds between steps, where it samples (RL: a group's KV cache and logits)."""
+        return 0
 
     def fake_batch(self, rows: int, seq_len: int, tokens: torch.Tensor) -> dict:
         """A micro-batch of ``rows`` sequences of ``seq_len`` tokens for the estimate's trace (on fake tensors)."""

@@ -58,7 +58,12 @@ def score_completions(functions: Dict[str, Callable], weights: Sequence[float], 
     """Each function's reward per completion, checked: one value (float or None) per completion."""
     rewards = {}
     for name, function in functions.items():
-        values = list(function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
+        try:
+            values = list(function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
+        except LitftError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a user's function: its failure named in one line
+            raise LitftError(f"reward {name} raised {type(err).__name__}: {err}".splitlines()[0]) from None
         if len(values) != len(completions):
             raise LitftError(f"reward {name} returned {len(values)} values for {len(completions)} completions; return one per completion")
         for value in values:

@@ -82,6 +82,7 @@ class GroupRelative(Objective):
         self.uses_reference = args.effective_beta > 0
         self.reference_forwards = int(self.uses_reference) + int(args.iterations > 1)  # KL's reference, the sampler's log-probs
         self.steps_per_batch = args.iterations
+        self.sampling_s = 0.0  # this rank's time sampling and scoring since the last log step (litft.rollouts adds to it)
 
     @classmethod
     def default_data(cls):
@@ -152,6 +153,11 @@ class GroupRelative(Objective):
     def validation_figures(self, val_loss: float, summed: Optional[torch.Tensor]) -> Dict[str, float]:
         return {}
 
+    def window_times(self, window_s: float, steps: int, tokens: int) -> Dict[str, float]:
+        """Training's time per step and tokens/s apart from the sampling's (rank 0's clock)."""
+        training_s, self.sampling_s = max(window_s - self.sampling_s, 1e-9), 0.0
+        return {"train_s": training_s / max(steps, 1), "train_tokens_per_s": tokens / training_s}
+
     def step_batches(self, trainer):
         from litft.rollouts import RolloutBatches
 
@@ -161,12 +167,38 @@ class GroupRelative(Objective):
         """The held-out prompts' mean reward, one greedy completion each (and each function's)."""
         from litft.rollouts import held_out_reward
 
-        return held_out_reward(trainer, self)
+        try:
+            return held_out_reward(trainer, self)
+        except LitftError as err:
+            raise LitftError(f"step {trainer.state.step}, validation: {err}") from None
 
     def prepare(self, trainer, resumed: Optional[Path]) -> None:
         trainer.batches_resume_from = resumed  # the rollouts of a cycle of iterations a checkpoint was cut in (litft.rollouts)
 
     def describe(self) -> str:
+        return "the base with the adapter off (no extra weights)" if self.uses_reference else "none (no KL term)"
+
+    def fake_batch(self, rows: int, seq_len: int, tokens: torch.Tensor) -> dict:
+        """Rows of completions: each row's tokens but its last carry loss, with an advantage (and the sampler's log-probs)."""
+        batch = super().fake_batch(rows, seq_len, tokens)
+        index = batch["targets"]["index"]
+        batch["targets"]["sequence"] = torch.div(index, seq_len, rounding_mode="floor")
+        batch["advantage"] = torch.ones(rows)
+        if self.args.iterations > 1:
+            batch["old_logp"] = torch.zeros(index.shape)
+        return batch
+
+    def generation_bytes(self, config, seq_len: int, itemsize: int) -> int:
+        """One prompt's group sampled at once: its KV cache at full length, and the last position's logits in fp32 (with the
+        sampling's softmax and sort of them)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        cache = 2 * text.num_hidden_layers * self.args.group_size * seq_len * kv_heads * head_dim * itemsize
+        return int(cache + 4 * self.args.group_size * text.vocab_size * 4)
+
+    def summary(self) -> str:
         a = self.args
         high = a.epsilon_high if a.epsilon_high is not None else a.epsilon
         return (f"grpo: {a.group_size} completions per prompt (up to {a.max_new_tokens} tokens, temperature {a.temperature}, top_p {a.top_p}); "

@@ -142,8 +142,36 @@ def test_rewards_take_trls_signature_and_none_leaves_the_sum():
     assert list(functions) == ["exact_match", "length_reward"]
     with pytest.raises(LitftError, match="cannot be imported"):
         load_rewards("nowhere:reward", "x")
-    with pytest.raises(LitftError, match="returned 1 values for 3 completions"):
-        score_completions({"bad": lambda **kw: [1.0]}, [1.0], prompts, completions, [[1], [2], [3]], {})
+    for function, message in [(lambda **kw: [1.0], "returned 1 values for 3 completions"), (lambda **kw: [math.nan] * 3, "returned nan"),
+                              (lambda **kw: 1 / 0, "reward bad raised ZeroDivisionError")]:
+        with pytest.raises(LitftError, match=message):
+            score_completions({"bad": function}, [1.0], prompts, completions, [[1], [2], [3]], {})
+
+
+CALLS = []
+
+
+def fails_at_step_3(prompts, completions, completion_ids, **columns):
+    CALLS.append(1)
+    if len(CALLS) == 3:
+        raise ValueError("no answer column today")
+    return [float(len(c) % 2) for c in completions]
+
+
+def test_a_reward_that_fails_mid_run_stops_in_one_line_naming_the_step_and_keeps_the_checkpoint(tmp_path, capsys):
+    from litft.__main__ import main
+    from litft.checkpoint import complete_checkpoints
+
+    CALLS.clear()
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        main(["finetune_lora", "--objective", "grpo", "--objective.group_size", "2", "--objective.max_new_tokens", "4",
+              "--objective.rewards", "tests.unit.test_rl:fails_at_step_3", "--data.num_train", "8", "--data.num_val", "0",
+              "--train.global_batch_size", "2", "--train.max_steps", "4", "--train.save_interval", "2", "--eval.interval", "0",
+              "--eval.initial_validation", "false", "--accelerator", "cpu", "--logger_name", "csv", "--out_dir", str(out)])
+    assert stop.value.code not in (0, None)
+    assert "error: step 3: reward fails_at_step_3 raised ValueError: no answer column today\n" in capsys.readouterr().err
+    assert [p.name for p in complete_checkpoints(out)] == ["step-00000002"]
 
 
 def length_reward(prompts, completions, completion_ids, **columns):
@@ -162,3 +190,32 @@ def test_grpo_flags_are_checked_in_one_line():
     with pytest.raises(LitftError, match="finetune_full keeps no frozen copy"):
         ObjectiveArgs(name="grpo", beta=0.1).check(lora=False)
     assert math.isclose(ObjectiveArgs(name="grpo").effective_beta, 0.0)
+
+
+def test_the_estimate_counts_a_groups_kv_cache_as_generate_holds_it(tiny_dir, capsys):
+    """The sampling row of ``litft estimate --objective grpo`` is the KV cache transformers' generate keeps for one prompt's
+    group (measured on litft-tiny), plus the last position's logits; the trace runs the GRPO loss with the sampler's log-probs."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from litft.__main__ import main
+
+    group, prompt, new = 4, 10, 6
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    ids = torch.randint(5, 100, (group, prompt))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    cache = out.past_key_values
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    objective = build_objective(ObjectiveArgs(name="grpo", group_size=group), lora=True)
+    logits = 4 * group * model.config.vocab_size * 4
+    # generate does not run the last sampled token through the model: the cache holds one position fewer than the row
+    assert objective.generation_bytes(model.config, prompt + new - 1, 4) - logits == held
+
+    capsys.readouterr()
+    main(["estimate", str(tiny_dir), "--job", "finetune_lora", "--objective", "grpo", "--objective.group_size", "8",
+          "--objective.iterations", "2", "--seq_len", "64", "--train.micro_batch_size", "4", "--precision", "32-true", "--json", "true"])
+    plan = json.loads(capsys.readouterr().out)
+    expected = build_objective(ObjectiveArgs(name="grpo", group_size=8), lora=True).generation_bytes(model.config, 64, 4)
+    assert plan["per_rank"]["generation"]["gpu"] == expected and plan["activations"]["peak"] > 0
