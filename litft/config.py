@@ -6,6 +6,7 @@ estimate`` build the same groups and run the same checks.
 """
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import List, Literal, Optional, Tuple, Union
@@ -245,11 +246,13 @@ class ObjectiveArgs:
     top_p: float = 1.0
     """GRPO: sample from the fewest tokens whose probabilities add up to top_p."""
     rewards: str = "exact_match"
-    """GRPO: comma-separated reward functions, module:function (TRL's signature: fn(prompts, completions, completion_ids, **columns) -> list of float or None), or the built-ins exact_match and format."""
+    """GRPO: comma-separated reward functions, module:function or path/to/file.py:function (TRL's signature: fn(prompts, completions, completion_ids, **columns) -> list of float or None), or the built-ins exact_match and format."""
     reward_weights: Optional[List[float]] = None
     """GRPO: one weight per reward function (default: 1 each)."""
     format_pattern: str = r"^.+$"
     """GRPO: the regular expression the built-in format reward asks each whole completion to match."""
+    answer_pattern: Optional[str] = None
+    """GRPO: a regular expression whose first group is the answer in a completion (its last match), for the built-in exact_match; the answer column is read through it too where it matches (GSM8K's "#### 72"). Default: the whole completion."""
     loss_norm: Literal["token", "sequence", "constant"] = "token"
     """GRPO: token (DAPO: every completion token of the global batch weighs alike), sequence (GRPO: each completion's token mean, then the mean of completions), constant (Dr. GRPO: summed per completion over max_new_tokens)."""
     scale_advantages: Literal["group", "batch", "none"] = "group"
@@ -322,6 +325,11 @@ class ObjectiveArgs:
             raise LitftError("--objective.rewards names no reward function; give module:function or exact_match / format")
         if self.reward_weights is not None and len(self.reward_weights) != len(names):
             raise LitftError(f"--objective.reward_weights has {len(self.reward_weights)} weights for {len(names)} reward functions; give one each")
+        for flag, pattern in (("--objective.format_pattern", self.format_pattern), ("--objective.answer_pattern", self.answer_pattern)):
+            try:
+                re.compile(pattern or "")
+            except re.error as err:
+                raise LitftError(f"{flag} {pattern!r} is not a regular expression ({err})") from None
         if self.effective_beta < 0:
             raise LitftError(f"--objective.beta is the KL weight, at least 0, got {self.beta}")
         if self.effective_beta > 0 and not lora:

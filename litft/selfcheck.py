@@ -46,7 +46,7 @@ class Case:
     resume: bool = False  # also stop after half the steps, resume, and compare with the uninterrupted run
     context_parallel: int = 1  # ranks that split each sequence (the whole world of a distributed case, at most)
     tensor_parallel: int = 1  # ranks that split each block (FSDP only)
-    objective: str = "sft"  # a preference objective (dpo, ipo, simpo, orpo) trains on TinyPreferences
+    objective: str = "sft"  # a preference objective (dpo, ipo, simpo, orpo) trains on TinyPreferences, grpo on TinyPrompts
     expert_parallel: int = 1  # ranks that deal the experts out (FSDP only; trains litft-tiny-moe)
     moe: bool = False  # trains litft-tiny-moe (as expert parallel always does)
 
@@ -106,7 +106,13 @@ class Case:
             from litft.tiny import TINY_MOE_NAME
 
             flags["model"] = TINY_MOE_NAME
-        if self.objective != "sft":
+        if self.objective == "grpo":  # a group of 4 short completions of each prompt, with a reward that splits them
+            from litft.config import ObjectiveArgs
+            from litft.data.prompts import TinyPrompts
+
+            flags.update(objective=ObjectiveArgs(name="grpo", group_size=4, max_new_tokens=6, rewards="format", format_pattern=".*[aeiou].*"),
+                         data=TinyPrompts(num_train=64, num_val=8))
+        elif self.objective != "sft":
             from litft.config import ObjectiveArgs
             from litft.data.preference import TinyPreferences
 

@@ -47,7 +47,9 @@ class PromptData(DataModule):
             if not getattr(tokenizer, "chat_template", None):
                 raise LitftError(f"{where} is a chat (messages or --data.prompt_style chat) but the tokenizer has no chat template; "
                                  "use a chat model or --data.prompt_style plain")
-            return tokenizer.apply_chat_template(as_messages(prompt, "user"), tokenize=False, add_generation_prompt=True), True
+            system = getattr(self, "system_prompt", None)
+            messages = ([{"role": "system", "content": system}] if system else []) + as_messages(prompt, "user")
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
         return (alpaca_prompt(prompt, "") if self.prompt_style == "alpaca" else prompt), False
 
     def encode(self, tokenizer, record: dict, index: int, where: str, max_len: int) -> Optional[Sample]:
@@ -100,6 +102,8 @@ class Prompts(PromptData):
     """The data's column for each name the rewards read, where they differ, e.g. {"prompt": "question", "answer": "solution"}."""
     prompt_style: PromptStyle = "chat"
     """How text prompts become the model's input: the user's turn of the chat template (chat), as they are (plain), or in alpaca headers."""
+    system_prompt: Optional[str] = None
+    """A system message put before every chat prompt (how to lay out the answer, for instance)."""
     max_seq_length: Optional[int] = None
     """Longest prompt, in tokens: longer prompts are dropped (default: the tokenizer's limit, at most 2048)."""
 

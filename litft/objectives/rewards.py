@@ -5,13 +5,15 @@
 ``prompts`` and ``completions`` are text, ``completion_ids`` token ids, and every other column of
 the prompt data comes by name (a list, one entry per completion). None means the function does
 not judge that completion: it leaves the weighted sum, and the completion is not counted in the
-function's mean. Built in: ``exact_match`` (the completion, stripped, equals the ``answer`` column)
+function's mean. Built in: ``exact_match`` (the completion, or its answer by ``--objective.answer_pattern``, equals the ``answer`` column)
 and ``format`` (the whole completion matches ``--objective.format_pattern``).
 """
 
 import importlib
+import importlib.util
 import math
 import re
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -19,11 +21,28 @@ import torch
 from litft.errors import LitftError
 
 
-def exact_match(prompts, completions, completion_ids, answer=None, **columns) -> List[Optional[float]]:
-    """1.0 where the completion, stripped, is the answer; None where the prompt has no answer."""
-    if answer is None:
-        raise LitftError("the exact_match reward reads an 'answer' column, and the prompt data has none; add one or choose other rewards")
-    return [None if a is None else float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+def exact_match(answer_pattern: Optional[str] = None) -> Callable:
+    """1.0 where the completion's answer is the answer column's, else 0.0; None where the prompt has no answer. With a
+    pattern, an answer is its first group's last match (in the column, where it matches: GSM8K's "#### 72")."""
+    pattern = re.compile(answer_pattern, flags=re.DOTALL) if answer_pattern else None
+
+    def extracted(text: str, fallback: Optional[str]) -> Optional[str]:
+        if pattern is None:
+            return text.strip()
+        found = list(pattern.finditer(text))
+        return (found[-1].group(1) if pattern.groups else found[-1].group(0)).strip() if found else fallback
+
+    def exact_match(prompts, completions, completion_ids, answer=None, **columns) -> List[Optional[float]]:
+        if answer is None:
+            raise LitftError("the exact_match reward reads an 'answer' column, and the prompt data has none; add one (or map one with "
+                             "--data.columns) or choose other rewards")
+        out = []
+        for completion, expected in zip(completions, answer):
+            expected = None if expected is None else extracted(str(expected), str(expected).strip())
+            out.append(None if expected is None else float(extracted(completion, None) == expected))
+        return out
+
+    return exact_match
 
 
 def format_reward(pattern: str) -> Callable:
@@ -36,20 +55,31 @@ def format_reward(pattern: str) -> Callable:
     return format
 
 
-def load_rewards(spec: str, format_pattern: str) -> Dict[str, Callable]:
+def import_file(path: str):
+    """A reward module given as a file path (a script beside the data, not an installed package)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if spec is None or not Path(path).is_file():
+        raise ImportError(f"no file {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_rewards(spec: str, format_pattern: str, answer_pattern: Optional[str] = None) -> Dict[str, Callable]:
     """Name -> function for each entry of ``--objective.rewards``, in order; one line for one that cannot be imported."""
     functions = {}
     for entry in (e.strip() for e in spec.split(",") if e.strip()):
         if entry == "exact_match":
-            functions[entry] = exact_match
+            functions[entry] = exact_match(answer_pattern)
         elif entry == "format":
             functions[entry] = format_reward(format_pattern)
         else:
-            module, _, name = entry.partition(":")
+            module, _, name = entry.rpartition(":")
             try:
-                functions[name or entry] = getattr(importlib.import_module(module), name)
-            except (ImportError, AttributeError, ValueError) as err:
-                raise LitftError(f"--objective.rewards {entry} cannot be imported ({err}); give module:function or exact_match / format") from None
+                functions[name] = getattr(import_file(module) if module.endswith(".py") else importlib.import_module(module), name)
+            except (ImportError, AttributeError, ValueError, OSError) as err:
+                raise LitftError(f"--objective.rewards {entry} cannot be imported ({err}); give module:function, file.py:function "
+                                 "or exact_match / format") from None
     return functions
 
 

