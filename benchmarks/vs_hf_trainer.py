@@ -164,6 +164,18 @@ def run_measured(command: list, work: Path, env: dict):
         return process.returncode, usage.ru_maxrss * 1024 / 1e9, out.read(), err.read()
 
 
+def peer_side(script: str, raw: list, work: Path, side: str, threads: int) -> dict:
+    """A peer's side: ``script`` run again in its own process with ``--_side side``; the result it printed after RESULT,
+    with the process's peak resident memory."""
+    command = [sys.executable, script, *raw, "--work_dir", str(work), "--_side", side]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    code, peak_rss, stdout, stderr = run_measured(command, work, env)
+    line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
+    if line is None:
+        raise SystemExit(f"{side} exited {code}: {stderr[-3000:]}")
+    return {"peak_gb": peak_rss, **json.loads(line[len(RESULT):])}
+
+
 # ---------------------------------------------------------------- litft
 
 

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from vs_hf_trainer import RESULT, WORDS, run_measured, smollm2_folder  # noqa: E402
+from vs_hf_trainer import RESULT, WORDS, peer_side, run_measured, smollm2_folder  # noqa: E402
 
 SIDES = ("litft", "trl", "trl-padding-free")
 
@@ -96,7 +96,7 @@ def step_orders(args, num_pairs: int) -> list:
 
 
 def litft_side(args, model: Path, work: Path) -> dict:
-    out = work / "litft"
+    out = work / "run-litft"  # not "litft": python -m litft runs in work
     flags = [
         "finetune_lora", str(model), "--objective", "dpo", "--data", "Preferences", "--data.path", str(work / "pairs.jsonl"),
         "--data.val_split_fraction", "0", "--data.max_seq_length", "1024", "--precision", precision(args), "--accelerator", args.accelerator,
@@ -186,13 +186,7 @@ def main(argv=None) -> None:
         if side == "litft":
             results[side] = litft_side(args, model, work)
         else:
-            command = [sys.executable, __file__, *raw, "--work_dir", str(work), "--_side", side]
-            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
-            code, peak_rss, stdout, stderr = run_measured(command, work, env)
-            line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
-            if line is None:
-                raise SystemExit(f"{side} exited {code}: {stderr[-3000:]}")
-            results[side] = {"peak_gb": peak_rss, **json.loads(line[len(RESULT):])}
+            results[side] = peer_side(__file__, raw, work, side, args.threads)
         print(json.dumps({"side": side, **results[side]}), flush=True)
     if "litft" in results:
         for side, result in results.items():

@@ -9,7 +9,8 @@ transformers' ``generate`` at temperature 1, up to ``--max_new_tokens`` tokens, 
 trains on them in micro-batches of ``--micro_batch`` completions. fp32 on the CPU
 (bf16-mixed on a GPU), each side in a fresh process with the same torch threads.
 
-Printed per side, over the steps after the first ``--skip``: seconds per step (sampling
+litft runs twice, at its defaults and with activation checkpointing, which TRL's GRPOConfig
+turns on by default. Printed per side, over the steps after the first ``--skip``: seconds per step (sampling
 and training), tokens/s (prompt and completion tokens of every completion trained on,
 each side's own count), the mean completion length (the sides sample differently, so
 lengths differ a little), and the process's peak resident memory (on a GPU, the
@@ -33,9 +34,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tutorials"))
 sys.path.insert(0, str(ROOT))
 
-from vs_hf_trainer import RESULT, run_measured, smollm2_folder  # noqa: E402
+from vs_hf_trainer import RESULT, peer_side, run_measured, smollm2_folder  # noqa: E402
 
-SIDES = ("litft", "trl")
+SIDES = ("litft", "litft-checkpointed", "trl")  # TRL's GRPOConfig checkpoints activations by default, litft does not
 REWARD = ROOT / "tutorials" / "smollm2_grpo.py"
 
 
@@ -63,8 +64,8 @@ def write_prompts(path: Path) -> None:
     prompts(ROOT / "tutorials" / "reverse-words" / "train.jsonl", path)
 
 
-def litft_side(args, model: Path, work: Path) -> dict:
-    out = work / "litft"
+def litft_side(args, model: Path, work: Path, checkpointed: bool) -> dict:
+    out = work / ("run-litft-checkpointed" if checkpointed else "run-litft")  # not "litft": python -m litft runs in work
     flags = [
         "finetune_lora", str(model), "--objective", "grpo", "--objective.group_size", str(args.group),
         "--objective.max_new_tokens", str(args.max_new_tokens), "--objective.rewards", f"{REWARD}:word_order",
@@ -74,6 +75,7 @@ def litft_side(args, model: Path, work: Path) -> dict:
         "--train.warmup_steps", "1", "--train.save_interval", "null", "--train.learning_rate", "1e-5", "--lora_r", "8", "--lora_alpha", "16",
         "--lora_dropout", "0", "--export", "none", "--eval.initial_validation", "false", "--eval.final_validation", "false",
         "--seed", str(args.seed), "--out_dir", str(out), "--overwrite", "true", "--logger_name", "csv",
+        *(["--train.gradient_checkpointing", "true"] if checkpointed else []),
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     code, peak_rss, _, stderr = run_measured([sys.executable, "-m", "litft", *flags], work, env)
@@ -160,20 +162,14 @@ def main(argv=None) -> None:
         write_prompts(work / "prompts.jsonl")
     results = {}
     for side in args.sides.split(","):
-        if side == "litft":
-            results[side] = litft_side(args, model, work)
+        if side.startswith("litft"):
+            results[side] = litft_side(args, model, work, checkpointed=side == "litft-checkpointed")
         else:
-            command = [sys.executable, __file__, *raw, "--work_dir", str(work), "--_side", side]
-            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
-            code, peak_rss, stdout, stderr = run_measured(command, work, env)
-            line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
-            if line is None:
-                raise SystemExit(f"{side} exited {code}: {stderr[-3000:]}")
-            results[side] = {"peak_gb": peak_rss, **json.loads(line[len(RESULT):])}
+            results[side] = peer_side(__file__, raw, work, side, args.threads)
         print(json.dumps({"side": side, **results[side]}), flush=True)
-    if "litft" in results and "trl" in results:
-        ours, theirs = results["litft"], results["trl"]
-        print(f"litft over trl: {theirs['s_per_step'] / ours['s_per_step']:.2f}x steps/s, {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x "
+    for side in [s for s in results if s.startswith("litft")] if "trl" in results else []:
+        ours, theirs = results[side], results["trl"]
+        print(f"{side} over trl: {theirs['s_per_step'] / ours['s_per_step']:.2f}x steps/s, {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x "
               f"tokens/s, {ours['peak_gb'] / theirs['peak_gb']:.2f}x peak memory; completion length {ours['completion_length']:.1f} vs "
               f"{theirs['completion_length']:.1f}")
 

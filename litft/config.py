@@ -241,6 +241,8 @@ class ObjectiveArgs:
     """GRPO: completions sampled per prompt (a step's global batch counts prompts)."""
     max_new_tokens: int = 256
     """GRPO: the longest completion; longer ones are cut there (their share is logged)."""
+    generation_batch: Optional[int] = None
+    """GRPO: prompts sampled together in one batched generate call (their groups left-padded into one batch). Rollouts depend on it, never on the rank layout; it must divide each rank's share of prompts. Default: the largest of 16, 8, 4, 2, 1 that divides it (set it to compare runs on different layouts)."""
     temperature: float = 1.0
     """GRPO: sampling temperature of the rollouts."""
     top_p: float = 1.0
@@ -312,6 +314,8 @@ class ObjectiveArgs:
         at_least(self.group_size, 2, "--objective.group_size", "")
         at_least(self.max_new_tokens, 1, "--objective.max_new_tokens")
         at_least(self.iterations, 1, "--objective.iterations")
+        if self.generation_batch is not None:
+            at_least(self.generation_batch, 1, "--objective.generation_batch")
         positive(self.temperature, "--objective.temperature", "the sampling temperature")
         if not 0 < self.top_p <= 1:
             raise LitftError(f"--objective.top_p is a probability mass in (0, 1], got {self.top_p}")

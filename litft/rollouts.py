@@ -4,9 +4,11 @@ The engine is an interface (``Engine.sample``) so that another one (vLLM) can co
 without touching the loop; the first is transformers' ``generate`` on the trained weights,
 under every strategy (FSDP2 and ZeRO-3 gather as they train, every rank making the same
 number of forwards, ``synced_gpus``). Rollouts are a function of (seed, epoch, step,
-prompt index) and never of the rank layout: each prompt's completions are sampled
-together, on one rank, from a generator seeded by those four numbers, so two ranks
-sample what one process samples, and a resumed run samples what the uninterrupted one did.
+prompt index, ``--objective.generation_batch``) and never of the rank layout: a step's
+prompts are cut into runs of ``generation_batch`` in their global order, each run's
+groups are sampled together on one rank from a generator seeded by those numbers, so
+two ranks sample what one process samples, and a resumed run samples what the
+uninterrupted one did.
 """
 
 import hashlib
@@ -20,7 +22,7 @@ import torch.distributed as dist
 
 from litft.data.collate import collate, sequence_of
 from litft.data.order import SampleOrder
-from litft.data.prompts import columns_of
+from litft.data.prompts import columns_of, reward_view
 from litft.data.samples import IGNORE_INDEX
 from litft.errors import LitftError
 from litft.evaluation import stop_tokens
@@ -54,11 +56,22 @@ class Entropy:
 
 
 class Engine:
-    """What samples completions: ``sample`` gives ``count`` completions (token ids, ended by a stop token unless cut) of a prompt."""
+    """What samples completions: ``sample`` gives ``count`` completions (token ids, ended by a stop token unless cut) of each
+    of some prompts, sampled together."""
 
-    def sample(self, prompt_ids: List[int], count: int, seed: int) -> Tuple[List[List[int]], List[bool], float]:
-        """Completions, whether each was cut at max_new_tokens, and their summed entropy."""
+    def sample(self, prompts: List[List[int]], count: int, seed: int) -> Tuple[List[List[List[int]]], List[List[bool]], float]:
+        """Each prompt's completions, whether each was cut at max_new_tokens, and their summed entropy."""
         raise NotImplementedError
+
+
+def left_padded(prompts: List[List[int]], pad: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one batch padded on the left (every completion starts at the same column), and its attention mask."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long), 1
+    return ids, mask
 
 
 class TransformersEngine(Engine):
@@ -88,16 +101,17 @@ class TransformersEngine(Engine):
                 return tokens[: i + 1], False
         return tokens, True
 
-    def sample(self, prompt_ids: List[int], count: int, seed: int) -> Tuple[List[List[int]], List[bool], float]:
+    def sample(self, prompts: List[List[int]], count: int, seed: int) -> Tuple[List[List[List[int]]], List[List[bool]], float]:
         device = self.fabric.device
-        entropy = Entropy(count, self.temperature, self.stops, device)
+        entropy = Entropy(len(prompts) * count, self.temperature, self.stops, device)
         devices = [device] if device.type == "cuda" else []
+        ids, mask = left_padded([p for p in prompts for _ in range(count)], self.tokenizer.pad_token_id)
         with torch.random.fork_rng(devices=devices):  # the training's generators go on as if nothing was sampled
             torch.manual_seed(seed)
-            ids = torch.tensor([prompt_ids] * count, device=device)
-            out = self.generate(ids, torch.ones_like(ids), greedy=False, processors=[entropy])
-        pieces = [self.completion(row) for row in out[:, len(prompt_ids):].cpu()]
-        return [p for p, _ in pieces], [cut for _, cut in pieces], float(entropy.sums.sum())
+            out = self.generate(ids.to(device), mask.to(device), greedy=False, processors=[entropy])
+        pieces = [self.completion(row) for row in out[:, ids.shape[1]:].cpu()]
+        groups = [pieces[k * count : (k + 1) * count] for k in range(len(prompts))]
+        return [[c for c, _ in g] for g in groups], [[cut for _, cut in g] for g in groups], float(entropy.sums.sum())
 
 
 def gather(fabric, value):
@@ -120,6 +134,9 @@ class RolloutBatches:
         place = trainer.context
         self.order = SampleOrder(len(self.prompts), train.global_batch_size, train.global_batch_size // place.data_world, place.data_rank,
                                  place.data_world, spec.seed)
+        per_rank = train.global_batch_size // place.data_world
+        self.together = args.generation_batch or next(n for n in (16, 8, 4, 2, 1) if per_rank % n == 0)
+        self.place = place
         self.engine = TransformersEngine(trainer.fabric, trainer.module, trainer.tokenizer, args.max_new_tokens, args.temperature, args.top_p)
         self.micro_batch_size, self.padding_free, self.seed = train.micro_batch_size, trainer.padding_free, spec.seed
         self.cycle: Optional[Tuple[int, int]] = None
@@ -157,21 +174,32 @@ class RolloutBatches:
     def close(self) -> None:
         pass
 
+    def chunks(self, epoch: int, cycle: int) -> List[List[int]]:
+        """This rank's prompts of a cycle in the groups sampled together: the cycle's prompts cut into runs of
+        ``generation_batch`` in their global order and dealt out to the ranks in turn, so that which prompts share a batch
+        (and its padding) does not depend on how many ranks there are."""
+        step_prompts = self.order.global_batch_size
+        start = cycle * step_prompts
+        prompts = self.order.permutation(epoch)[start : start + step_prompts]
+        runs = [prompts[i : i + self.together] for i in range(0, len(prompts), self.together)]
+        return runs[self.place.data_rank :: self.place.data_world]
+
     def roll(self, epoch: int, cycle: int, first_step: int) -> List[dict]:
         """This rank's rollouts of a cycle as micro-batches: sampled (or read back from the checkpoint), scored, advantaged."""
         args, fabric = self.args, self.fabric
-        mine = [i for micro in self.order.micro_batches(epoch, cycle) for i in micro]
+        chunks = self.chunks(epoch, cycle)
+        mine = [i for chunk in chunks for i in chunk]
         started = time.perf_counter()
         stored = self.stored.get("groups") if self.stored.get("cycle") == [epoch, cycle] else None
         groups, entropy = [], 0.0
-        for index in mine:
+        for chunk in chunks:
             if stored is not None:
-                groups.append(stored[index])
+                groups += [stored[index] for index in chunk]
                 continue
-            prompt = self.prompts[index]["input_ids"].tolist()
-            completions, cuts, group_entropy = self.engine.sample(prompt, args.group_size, rollout_seed(self.seed, epoch, cycle, index))
-            entropy += group_entropy
-            groups.append({"completions": completions, "cuts": cuts})
+            prompts = [self.prompts[index]["input_ids"].tolist() for index in chunk]
+            completions, cuts, chunk_entropy = self.engine.sample(prompts, args.group_size, rollout_seed(self.seed, epoch, cycle, chunk[0]))
+            entropy += chunk_entropy
+            groups += [{"completions": c, "cuts": k} for c, k in zip(completions, cuts)]
         generation_s = time.perf_counter() - started
         try:
             rewards, by_function = self.score(mine, groups)
@@ -214,8 +242,9 @@ class RolloutBatches:
             text = tokenizer.decode(self.prompts[index]["input_ids"], skip_special_tokens=True)
             extra = columns_of(self.prompts[index])
             for completion in group["completions"]:
-                prompts.append(text)
-                completions.append(tokenizer.decode(completion, skip_special_tokens=True))
+                prompt, completion_text = reward_view(self.prompts[index], text, tokenizer.decode(completion, skip_special_tokens=True))
+                prompts.append(prompt)
+                completions.append(completion_text)
                 ids.append(completion)
                 for key, value in extra.items():
                     columns.setdefault(key, []).append(value)
@@ -310,17 +339,15 @@ def held_out_reward(trainer, objective) -> Optional[Dict[str, float]]:
     for start in range(0, per_rank, trainer.spec.train.micro_batch_size):
         chunk = mine[start : start + trainer.spec.train.micro_batch_size]
         batch = chunk or [0]  # a stand-in: every rank makes the same generate calls
-        width = max(len(data.val[i]["input_ids"]) for i in batch)
-        input_ids = torch.full((len(batch), width), trainer.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, i in enumerate(batch):  # left padding: every completion starts at the same column
-            n = len(data.val[i]["input_ids"])
-            input_ids[row, width - n :], mask[row, width - n :] = data.val[i]["input_ids"], 1
+        input_ids, mask = left_padded([data.val[i]["input_ids"].tolist() for i in batch], trainer.tokenizer.pad_token_id)
+        width = input_ids.shape[1]
         out = engine.generate(input_ids.to(fabric.device), mask.to(fabric.device), greedy=True)
         for i, row in zip(chunk, out[:, width:].cpu()):
             completion, _ = engine.completion(row)
-            prompts.append(trainer.tokenizer.decode(data.val[i]["input_ids"], skip_special_tokens=True))
-            completions.append(trainer.tokenizer.decode(completion, skip_special_tokens=True))
+            prompt, completion_text = reward_view(data.val[i], trainer.tokenizer.decode(data.val[i]["input_ids"], skip_special_tokens=True),
+                                                  trainer.tokenizer.decode(completion, skip_special_tokens=True))
+            prompts.append(prompt)
+            completions.append(completion_text)
             ids.append(completion)
             for key, value in columns_of(data.val[i]).items():
                 columns.setdefault(key, []).append(value)

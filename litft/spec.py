@@ -88,6 +88,10 @@ class RunSpec:
             if self.train.global_batch_size % data_world:
                 raise LitftError(f"--train.global_batch_size {self.train.global_batch_size} prompts do not split over {data_world} data-parallel "
                                  "ranks (each rank samples whole groups); choose a multiple of it")
+            together = self.objective.generation_batch
+            if together is not None and (self.train.global_batch_size // data_world) % together:
+                raise LitftError(f"--objective.generation_batch {together} does not divide a rank's {self.train.global_batch_size // data_world} "
+                                 f"prompts (--train.global_batch_size over {data_world} data-parallel ranks); choose a divisor of it")
         else:
             self.train, note = self.train.resolved(data_world)
             self.train.check(data_world)

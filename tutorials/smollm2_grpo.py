@@ -37,7 +37,8 @@ def word_order(prompts, completions, completion_ids, answer, **columns):
     """The share of the answer's words that stand in their place in the completion (TRL's reward signature)."""
     scores = []
     for completion, expected in zip(completions, answer):
-        got, want = completion.strip().rstrip(".").split(), expected.split()
+        text = completion[0]["content"]  # a chat prompt's completion: one assistant message
+        got, want = text.strip().rstrip(".").split(), expected.split()
         scores.append(sum(g == w for g, w in zip(got, want)) / len(want) - 0.5 * (len(got) != len(want)))
     return scores
 
@@ -60,7 +61,8 @@ def main(extra: list) -> None:
     data = ROOT / out_dir.parent / "smollm2-grpo-prompts"
     train, val = prompts(WORDS / "train.jsonl", data / "train.jsonl"), prompts(WORDS / "val.jsonl", data / "val.jsonl")
     command = [
-        "finetune_lora", str(model), "--objective", "grpo", "--objective.group_size", "8", "--objective.max_new_tokens", "12", "--objective.temperature", "0.7",
+        "finetune_lora", str(model), "--objective", "grpo", "--objective.group_size", "8", "--objective.max_new_tokens", "12",
+        "--objective.temperature", "0.7",
         "--objective.rewards", f"{Path(__file__).resolve()}:word_order,exact_match",
         "--data", "Prompts", "--data.path", str(train), "--data.val_path", str(val),
         "--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0", "--train.learning_rate", "3e-4", "--train.warmup_steps", "2",

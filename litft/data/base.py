@@ -14,7 +14,7 @@ from litft.data.samples import Sample, pack
 from litft.errors import LitftError
 
 # Bump when tokenization, masking or packing changes, so old caches are not reused.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 

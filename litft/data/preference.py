@@ -10,15 +10,14 @@ objective (``litft.objectives.preference``) sums their log-probs per sequence.
 import os
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from litft.config import at_least
-from litft.data.base import DataModule, PreparedData, Prompted, split_train_val
+from litft.data.base import DataModule, PreparedData, Prompted
 from litft.data.samples import IGNORE_INDEX, Sample
-from litft.data.sft import PromptStyle, alpaca_prompt, read_records
+from litft.data.sft import PromptStyle, RecordSource, alpaca_prompt
 from litft.data.tiny import LETTERS, TASKS, task_record
 from litft.errors import LitftError
 
@@ -166,7 +165,7 @@ def prompted(tokenizer, pair: Sample) -> Prompted:
 
 
 @dataclass
-class Preferences(PreferenceData):
+class Preferences(RecordSource, PreferenceData):
     """Preference pairs from a JSON/JSONL file or anything the ``datasets`` library reads: prompt, chosen and rejected as text or chat."""
 
     path: str = "data/preferences.jsonl"
@@ -192,40 +191,8 @@ class Preferences(PreferenceData):
         if unknown:
             raise LitftError(f"--data.columns names unknown field(s) {unknown}; the fields are prompt, chosen and rejected")
 
-    def source_files(self):
-        return [Path(p) for p in (self.path, self.val_path) if p is not None and Path(p).is_file()]
-
-    def read(self, where: str) -> Tuple[List[dict], Optional[List[dict]]]:
-        """The records of a JSON/JSONL file (no validation split), or of a dataset's training split and its validation split."""
-        local = Path(where).expanduser()
-        if local.suffix in (".json", ".jsonl") and local.is_file():
-            return [self.renamed(r) for r in read_records(local)], None
-        from litft.data.hf import HF
-
-        train, val = HF(path=where, name=self.name, split=self.split).splits(streaming=False)
-        rows = lambda split: None if split is None else [self.renamed(dict(r)) for r in split]  # noqa: E731
-        return rows(train), rows(val)
-
-    def renamed(self, record):
-        if not self.columns or not isinstance(record, dict):
-            return record
-        return {**record, **{field: record[column] for field, column in self.columns.items() if column in record}}
-
     def records(self, seed: int):
-        records, val = self.read(self.path)
-        if not records:
-            raise LitftError(f"{self.path} holds no records; add some or point --data.path elsewhere")
-        for number, record in enumerate(records):
-            check_pair(record, f"record {number} of {self.path}")
-        if self.val_path is not None:
-            val = self.read(self.val_path)[0]
-            for number, record in enumerate(val):
-                check_pair(record, f"record {number} of {self.val_path}")
-            return records, val, self.path
-        if val is not None:
-            return records, val, self.path
-        train, val = split_train_val(records, self.val_split_fraction, seed)
-        return train, val, self.path
+        return self.train_and_val(seed, check_pair)
 
 
 def corrupted(rng: random.Random, record: dict) -> str:

@@ -8,16 +8,15 @@ passed to the reward functions by name with every completion, as TRL passes them
 import json
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from litft.config import at_least
-from litft.data.base import DataModule, PreparedData, Prompted, split_train_val
+from litft.data.base import DataModule, PreparedData, Prompted
 from litft.data.preference import as_messages, is_messages
 from litft.data.samples import Sample
-from litft.data.sft import PromptStyle, alpaca_prompt, read_records
+from litft.data.sft import PromptStyle, RecordSource, alpaca_prompt
 from litft.data.tiny import TASKS, task_record
 from litft.errors import LitftError
 
@@ -59,7 +58,10 @@ class PromptData(DataModule):
         if len(ids) >= max_len:
             return None  # no room for a completion
         columns = {key: json.dumps(value) for key, value in record.items() if key != "prompt"}
-        return {"input_ids": torch.tensor(ids), "id": torch.tensor(index), "columns": columns}
+        sample = {"input_ids": torch.tensor(ids), "id": torch.tensor(index), "columns": columns}
+        if isinstance(record["prompt"], list):  # a conversation: the rewards see it, and the completion, as messages (as TRL gives them)
+            sample["messages"] = json.dumps(record["prompt"])
+        return sample
 
     def tokenize(self, tokenizer, seed: int) -> PreparedData:
         train_records, val_records, origin = self.records(seed)
@@ -84,8 +86,16 @@ def columns_of(sample: Sample) -> Dict[str, object]:
     return {key: json.loads(value) for key, value in sample["columns"].items()}
 
 
+def reward_view(sample: Sample, prompt_text: str, completion_text: str) -> Tuple[object, object]:
+    """The prompt and a completion as TRL passes them to reward functions: the prompt's messages and a one-message
+    assistant turn where the prompt was a conversation, else the texts."""
+    if "messages" in sample:
+        return json.loads(sample["messages"]), [{"role": "assistant", "content": completion_text}]
+    return prompt_text, completion_text
+
+
 @dataclass
-class Prompts(PromptData):
+class Prompts(RecordSource, PromptData):
     """Prompts from a JSON/JSONL file or anything the ``datasets`` library reads, every other column passed to the rewards."""
 
     path: str = "data/prompts.jsonl"
@@ -107,34 +117,8 @@ class Prompts(PromptData):
     max_seq_length: Optional[int] = None
     """Longest prompt, in tokens: longer prompts are dropped (default: the tokenizer's limit, at most 2048)."""
 
-    def source_files(self):
-        return [Path(p) for p in (self.path, self.val_path) if p is not None and Path(p).is_file()]
-
-    def read(self, where: str) -> Tuple[List[dict], Optional[List[dict]]]:
-        local = Path(where).expanduser()
-        if local.suffix in (".json", ".jsonl") and local.is_file():
-            return [self.renamed(r) for r in read_records(local)], None
-        from litft.data.hf import HF
-
-        train, val = HF(path=where, name=self.name, split=self.split).splits(streaming=False)
-        rows = lambda split: None if split is None else [self.renamed(dict(r)) for r in split]  # noqa: E731
-        return rows(train), rows(val)
-
-    def renamed(self, record):
-        if not self.columns or not isinstance(record, dict):
-            return record
-        return {**record, **{name: record[column] for name, column in self.columns.items() if column in record}}
-
     def records(self, seed: int):
-        records, val = self.read(self.path)
-        if not records:
-            raise LitftError(f"{self.path} holds no records; add some or point --data.path elsewhere")
-        if self.val_path is not None:
-            return records, self.read(self.val_path)[0], self.path
-        if val is not None:
-            return records, val, self.path
-        train, val = split_train_val(records, self.val_split_fraction, seed)
-        return train, val, self.path
+        return self.train_and_val(seed, lambda record, where: None)  # each prompt is checked as it is rendered
 
 
 @dataclass

@@ -20,7 +20,7 @@ from litft.parallel.mesh import layout_data_world
 from litft.parallel.context import check_context_parallel
 from litft.parallel.expert import check_expert_parallel, is_expert_tensor
 from litft.parallel.strategies import checked_strategy_class
-from litft.parallel.tensor import check_tensor_parallel, one_rank_of
+from litft.parallel.tensor import block_plan, check_tensor_parallel, one_rank_of
 
 # Memory as torch.cuda reports total_memory, in GiB (a little under the marketed size).
 GPUS = {
@@ -112,7 +112,7 @@ def plan_memory(flags: dict) -> dict:
         config._attn_implementation = flags["attention"]
     frozen_dtype = strategy.frozen_base_dtype(precision)
     tensors = model_tensors(build_model(config, precision, lora, False, frozen_dtype=frozen_dtype), flags["quantize"])
-    states = memory_layout(strategy, tensors, layout, precision, train, hidden_size=config.hidden_size)
+    states = memory_layout(strategy, tensors, layout, precision, train, hidden_size=config.hidden_size, planned=block_plan(config))
     facts = strategy.facts(layout, precision)
 
     params_dtype, autocast = strategy.compute_view(layout, precision)

@@ -19,13 +19,15 @@ from litft.parallel.tensor import split_over_tensor_parallel
 DS_DEFAULTS = {"reduce_bucket_size": 5e8, "prefetch_bucket_size": 5e7, "param_persistence_threshold": 1e5, "max_live_parameters": 1e9}
 
 
-def memory_layout(strategy, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None) -> States:
-    """The fullest rank's states under ``strategy`` (a strategy class), from what it says of its sharding."""
+def memory_layout(strategy, tensors: List[Param], layout: Layout, precision: str, train: TrainArgs, hidden_size: Optional[int] = None,
+                  planned: Optional[dict] = None) -> States:
+    """The fullest rank's states under ``strategy`` (a strategy class), from what it says of its sharding; ``planned``: the
+    model's tensor-parallel block plan (``litft.parallel.tensor.block_plan``), None for Llama's layer names."""
     facts = strategy.facts(layout, precision)
     if facts["zero_stage"] is not None:
         return zero_states(tensors, strategy.zero_section(layout, precision, train, hidden_size), layout.world_size, precision)
     if facts["shard_group"] is not None:
-        return fsdp_states(tensors, layout, precision, facts["shard_group"])
+        return fsdp_states(tensors, layout, precision, facts["shard_group"], planned)
     states = whole_model_states(tensors)
     if layout.world_size > 1:
         # DDP copies gradients into flat buckets for the all-reduce (gradient_as_bucket_view is off).
@@ -46,7 +48,7 @@ def whole_model_states(tensors: List[Param]) -> States:
     )
 
 
-def fsdp_states(tensors: List[Param], layout: Layout, precision: str, shard: int) -> States:
+def fsdp_states(tensors: List[Param], layout: Layout, precision: str, shard: int, planned: Optional[dict] = None) -> States:
     """FSDP2's layout: shards of every unit, the units gathered in turn (two at a time, prefetched), a reduce-scatter buffer."""
     fsdp = layout.fsdp
     mixed = precision.endswith("-mixed")
@@ -54,7 +56,7 @@ def fsdp_states(tensors: List[Param], layout: Layout, precision: str, shard: int
     trained = [t for t in tensors if t.trainable]
     tp = layout.tensor_parallel
     # A tensor-parallel split comes first (whole heads per rank), FSDP shards what a rank keeps.
-    kept = {t.name: 1 / tp if tp > 1 and split_over_tensor_parallel(t.name) else 1.0 for t in tensors}
+    kept = {t.name: 1 / tp if tp > 1 and split_over_tensor_parallel(t.name, planned) else 1.0 for t in tensors}
     local = {t.name: local_elements(t, shard) * kept[t.name] for t in tensors}
     # An expert group's experts are sharded over the ranks holding the same ones: 1/N of them over 1/N as many
     # ranks, the same share of each tensor, but FSDP gathers (and reduces) only this rank's experts.

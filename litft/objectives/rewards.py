@@ -2,7 +2,8 @@
 
     fn(prompts, completions, completion_ids, **columns) -> list of float or None (one per completion)
 
-``prompts`` and ``completions`` are text, ``completion_ids`` token ids, and every other column of
+``prompts`` and ``completions`` are text, or, where the prompt is a conversation, its messages and a
+one-message assistant turn (as TRL passes them); ``completion_ids`` are token ids; every other column of
 the prompt data comes by name (a list, one entry per completion). None means the function does
 not judge that completion: it leaves the weighted sum, and the completion is not counted in the
 function's mean. Built in: ``exact_match`` (the completion, or its answer by ``--objective.answer_pattern``, equals the ``answer`` column)
@@ -19,6 +20,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from litft.errors import LitftError
+
+
+def text_of(completion) -> str:
+    """A completion's text, given as text or as TRL gives a conversation's (a list of messages, the answer last)."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
 def exact_match(answer_pattern: Optional[str] = None) -> Callable:
@@ -39,7 +45,7 @@ def exact_match(answer_pattern: Optional[str] = None) -> Callable:
         out = []
         for completion, expected in zip(completions, answer):
             expected = None if expected is None else extracted(str(expected), str(expected).strip())
-            out.append(None if expected is None else float(extracted(completion, None) == expected))
+            out.append(None if expected is None else float(extracted(text_of(completion), None) == expected))
         return out
 
     return exact_match
@@ -50,7 +56,7 @@ def format_reward(pattern: str) -> Callable:
     compiled = re.compile(pattern, flags=re.DOTALL)
 
     def format(prompts, completions, completion_ids, **columns) -> List[float]:  # noqa: A001 - the reward's name in the logs
-        return [float(compiled.fullmatch(c.strip()) is not None) for c in completions]
+        return [float(compiled.fullmatch(text_of(c).strip()) is not None) for c in completions]
 
     return format
 

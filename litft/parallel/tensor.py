@@ -225,16 +225,30 @@ def sum_partial_gradients(module: torch.nn.Module, group) -> None:
                     dist.all_reduce(grad, group=group)
 
 
-def split_over_tensor_parallel(name: str) -> bool:
-    """Whether a parameter (by its full name) is split over the tensor-parallel ranks, for ``litft estimate``."""
+def split_over_tensor_parallel(name: str, planned: Optional[Dict[str, str]] = None) -> bool:
+    """Whether a parameter (by its full name) is split over the tensor-parallel ranks, for ``litft estimate``: as the
+    model's block plan says (``block_plan``), else as Llama's layer names do, the way training splits it."""
     parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in COLUMN or part in ROW:
-            kind, rest = "column" if part in COLUMN else "row", [p for p in parts[i + 1 :] if p != "base_layer"]
-            if rest[:1] in (["lora_A"], ["lora_B"]):
-                return rest[0] == SPLIT_ADAPTER[kind]
-            return kind == "column" or rest[-1:] != ["bias"]  # a row split's bias is added whole, after the all-reduce
-    return False
+    kind, rest = None, []
+    if planned is not None:
+        at = next((i for i in range(len(parts) - 1) if parts[i] in ("layers", "h", "blocks") and parts[i + 1].isdigit()), None)
+        inner = [] if at is None else parts[at + 2 :]
+        for cut in range(len(inner), 0, -1):  # the longest module path the plan names
+            module = ".".join(p for p in inner[:cut] if p != "base_layer")
+            style = next((style for pattern, style in planned.items() if fnmatch.fnmatchcase(module, pattern)), None)
+            if style is not None:
+                kind, rest = PLAN_KINDS.get(style, style).split()[0], [p for p in inner[cut:] if p != "base_layer"]
+                break
+    else:
+        for i, part in enumerate(parts):
+            if part in COLUMN or part in ROW:
+                kind, rest = "column" if part in COLUMN else "row", [p for p in parts[i + 1 :] if p != "base_layer"]
+                break
+    if kind not in ("column", "row"):
+        return False
+    if rest[:1] in (["lora_A"], ["lora_B"]):
+        return rest[0] == SPLIT_ADAPTER[kind]
+    return kind == "column" or rest[-1:] != ["bias"]  # a row split's bias is added whole, after the all-reduce
 
 
 def splitting(placement) -> bool:

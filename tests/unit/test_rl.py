@@ -140,6 +140,13 @@ def test_rewards_take_trls_signature_and_none_leaves_the_sum():
     assert weighted_sum(rewards, [1.0, 0.5]) == [1.5, 0.5, 0.5]
     functions = load_rewards(f"exact_match, tests.unit.test_rl:length_reward,{__file__}:length_reward", "x")
     assert list(functions) == ["exact_match", "length_reward"] and functions["length_reward"](None, None, [[1, 2]]) == [2.0]
+    # A conversation's prompt and completion reach the functions as TRL gives them: messages, and one assistant message.
+    from litft.data.prompts import reward_view
+
+    chat = {"messages": '[{"role": "user", "content": "hi"}]'}
+    assert reward_view(chat, "rendered", "a b") == ([{"role": "user", "content": "hi"}], [{"role": "assistant", "content": "a b"}])
+    assert reward_view({}, "rendered", "a b") == ("rendered", "a b")
+    assert exact_match()(None, [[{"role": "assistant", "content": " a b"}]], None, answer=["a b"]) == [1.0]
     gsm8k = exact_match(r"####\s*(-?[\d,.]+)")  # GSM8K: the answer column's reasoning ends "#### 72", and so should a completion's
     assert gsm8k(None, ["so 70 + 2 = 72.\n#### 72", "#### 7 or #### 71", "72"], None,
                  answer=["Natalia sold 48/2 = 24 clips... 48+24 = 72\n#### 72"] * 3) == [1.0, 0.0, 0.0]
