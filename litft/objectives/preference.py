@@ -190,8 +190,11 @@ class Preference(Objective):
         counted = self.counted(batch)  # under context parallel one rank of each group counts the loss and its figures
         loss, figures = preference_loss(self.args, policy, lengths, reference, counted)
         self.pending.append(figures)
-        loss = lm.with_router_aux(loss, aux, len(policy))  # MoE: the router's balance, weighted by the pairs as the loss is
-        return loss if counted else loss * 0.0  # the zero keeps this rank's slice in the graph: group_sum's backward gives it the gradient
+        # The zero keeps this rank's slice in the graph: group_sum's backward gives it the gradient. MoE: the router's balance of
+        # this rank's tokens, weighted by the pairs as the loss is; under context parallel every slice adds its share, as a
+        # supervised run's slices do, so that the group weighs it by the pairs once.
+        share = len(policy) / batch.get("slices", 1) if batch.get("counted", True) else 0
+        return lm.with_router_aux(loss if counted else loss * 0.0, aux, share)
 
     def score(self, lm, batch: dict) -> torch.Tensor:
         """Each pair's summed log-probs under the model as it is (the reference, scored before training)."""

@@ -77,6 +77,7 @@ def slice_batch(batch: dict, place: int, size: int, group=None) -> dict:
             "index": row[mine] * part + column[mine] - start,
         },
         "lead_slice": place == 0,  # what an objective counts once per sample (a pair), the group's first slice counts
+        "slices": size,
     }
 
 

@@ -373,3 +373,28 @@ def test_preference_loss_on_other_architectures_matches_transformers_eager(name,
     assert got.keys() == want.keys() and want
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_under_context_parallel_every_slice_adds_its_share_of_the_router_balance():
+    """As a supervised run's slices do: two slices of the same pairs together weigh the router's loss by the pairs once,
+    while only the lead slice counts the preference loss itself (the objective's count); a stand-in adds nothing."""
+    weights = []
+
+    class Routed:
+        model = None
+
+        def token_log_probs(self, batch):
+            return torch.zeros(len(batch["targets"]["sequence"]), requires_grad=True), torch.tensor(0.5)
+
+        def with_router_aux(self, loss, aux, weight):
+            weights.append(weight)
+            return loss + aux * weight
+
+    objective = build_objective(ObjectiveArgs(name="simpo"), lora=False)  # reference-free: no second forward
+    targets = {"sequence": torch.tensor([0, 1, 2, 3]), "index": torch.arange(4), "labels": torch.zeros(4, dtype=torch.long)}
+    batch = {"ids": torch.tensor([0, 1]), "pairs": 2, "targets": targets}
+    for lead in (True, False):
+        objective.loss_sum(Routed(), {**batch, "lead_slice": lead, "slices": 2})
+    objective.loss_sum(Routed(), {**batch, "counted": False})
+    assert weights == [1.0, 1.0, 0]
+    assert [objective.count({**batch, "lead_slice": lead, "slices": 2}) for lead in (True, False)] == [2, 0]
