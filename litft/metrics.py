@@ -216,7 +216,8 @@ class StepMeter:
                 metrics["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             compiling = self.compiled.read() if self.compiled is not None else {"compile_s": 0.0}
             metrics.update(self.window.rates(self.fabric.world_size, self.flops.peak if self.flops else None, compiling["compile_s"] - self.compile_s))
-            metrics.update(self.objective.window_times(time.perf_counter() - self.window.started, self.window.steps, self.window.tokens))
+            if self.objective is not None:
+                metrics.update(self.objective.window_times(time.perf_counter() - self.window.started, self.window.steps, self.window.tokens))
             metrics.update(peak_memory_by_rank(self.fabric))
             if self.compiled is not None:  # torch.compile's time and frames so far; the time is kept out of the rates
                 metrics.update(compiling)
