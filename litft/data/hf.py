@@ -16,14 +16,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from litft.config import at_least
-from litft.data.base import PreparedData, Prompted, litft_home, split_indices, split_train_val
+from litft.data.base import PreparedData, Prompted, litft_home, split_indices
 from litft.data.samples import IGNORE_INDEX, Sample, pack
-from litft.data.sft import InstructionData, PromptStyle, read_records
+from litft.data.sft import InstructionData, PromptStyle
 from litft.data.stream import streamed
 from litft.data.text import cut_blocks, document_ids
 from litft.errors import LitftError
@@ -343,44 +343,3 @@ class HF(InstructionData):
         datasets.DatasetDict(parts).save_to_disk(str(partial), num_shards=empty)
         os.replace(partial, cache)
         shutil.rmtree(staging, ignore_errors=True)
-
-
-class RecordSource:
-    """Records from a JSON/JSONL file or anything the ``datasets`` library reads (a hub id, parquet, arrow, CSV), with
-    columns renamed to the fields litft reads; a data module with ``path``, ``name``, ``split``, ``val_path``,
-    ``val_split_fraction`` and ``columns`` fields takes these methods."""
-
-    def source_files(self):
-        return [Path(p) for p in (self.path, self.val_path) if p is not None and Path(p).is_file()]
-
-    def read(self, where: str) -> Tuple[List[dict], Optional[List[dict]]]:
-        """The records of a JSON/JSONL file (no validation split), or of a dataset's training split and its validation split."""
-        local = Path(where).expanduser()
-        if local.suffix in (".json", ".jsonl") and local.is_file():
-            return [self.renamed(r) for r in read_records(local)], None
-        train, val = HF(path=where, name=self.name, split=self.split).splits(streaming=False)
-        rows = lambda split: None if split is None else [self.renamed(dict(r)) for r in split]  # noqa: E731
-        return rows(train), rows(val)
-
-    def renamed(self, record):
-        if not self.columns or not isinstance(record, dict):
-            return record
-        return {**record, **{field: record[column] for field, column in self.columns.items() if column in record}}
-
-    def train_and_val(self, seed: int, check: Callable[[dict, str], None]) -> Tuple[List[dict], List[dict], str]:
-        """Training and held-out records, each checked: a separate file, else the dataset's validation split, else
-        ``val_split_fraction`` of the records."""
-        records, val = self.read(self.path)
-        if not records:
-            raise LitftError(f"{self.path} holds no records; add some or point --data.path elsewhere")
-        for number, record in enumerate(records):
-            check(record, f"record {number} of {self.path}")
-        if self.val_path is not None:
-            val = self.read(self.val_path)[0]
-            for number, record in enumerate(val):
-                check(record, f"record {number} of {self.val_path}")
-            return records, val, self.path
-        if val is not None:
-            return records, val, self.path
-        train, val = split_train_val(records, self.val_split_fraction, seed)
-        return train, val, self.path

@@ -17,7 +17,7 @@ import torch
 from litft.config import at_least
 from litft.data.base import DataModule, PreparedData, Prompted
 from litft.data.samples import IGNORE_INDEX, Sample
-from litft.data.hf import RecordSource
+from litft.data.records import RecordSource
 from litft.data.sft import PromptStyle, alpaca_prompt
 from litft.data.tiny import LETTERS, TASKS, task_record
 from litft.errors import LitftError

@@ -16,7 +16,7 @@ from litft.config import at_least
 from litft.data.base import DataModule, PreparedData, Prompted
 from litft.data.preference import as_messages, is_messages
 from litft.data.samples import Sample
-from litft.data.hf import RecordSource
+from litft.data.records import RecordSource
 from litft.data.sft import PromptStyle, alpaca_prompt
 from litft.data.tiny import TASKS, task_record
 from litft.errors import LitftError
