@@ -294,13 +294,15 @@ def test_no_host_reads_in_a_training_step_of_moe_lora_experts_and_preference(run
     from litft.experts import ExpertLoad
     from litft.model import load_config
     from litft.tiny import TINY_MOE_NAME, ensure_tiny_model
-    from litft.weights import skeleton
+    from transformers import AutoModelForCausalLM
 
     moe = run in ("moe", "lora on experts")
     folder = ensure_tiny_model(TINY_MOE_NAME) if moe else ensure_tiny_model()
     lora = LoraArgs(r=4, dropout=0.0, target_modules=["gate_up_proj", "down_proj", "q_proj"]) if run == "lora on experts" else None
+    # Built on the CPU with transformers' own init: buffers such as the rotary frequencies hold values, not whatever
+    # memory to_empty() handed out (which made the figures NaN in some runs).
     model = build_model(load_config(str(folder)), "32-true", lora, False, attention=SEGMENTS,
-                        structure=lambda config, dtype: skeleton(config, dtype).to_empty(device="cpu"))
+                        structure=lambda config, dtype: AutoModelForCausalLM.from_config(config, dtype=dtype))
     for param in model.parameters():
         torch.nn.init.normal_(param, std=0.02) if param.dim() > 1 else torch.nn.init.ones_(param)
     objective = ObjectiveArgs(name="simpo") if run == "preference" else None
