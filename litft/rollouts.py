@@ -35,6 +35,26 @@ def rollout_seed(seed: int, epoch: int, cycle: int, prompt: int) -> int:
     return int(hashlib.sha256(f"{seed}:{epoch}:{cycle}:{prompt}".encode()).hexdigest()[:15], 16)
 
 
+def judge(tokenizer, objective, scored: List[Tuple[dict, List[List[int]]]]) -> Tuple[Dict[str, list], List[float]]:
+    """Each function's value and the weighted reward of every completion of each (prompt sample, its completions' ids),
+    in order, called as TRL calls reward functions (a conversation's prompt and completion as messages, the other columns
+    by name)."""
+    prompts, completions, ids, columns = [], [], [], {}
+    for sample, sampled in scored:
+        text, extra = tokenizer.decode(sample["input_ids"], skip_special_tokens=True), columns_of(sample)
+        for completion in sampled:
+            prompt, completion_text = reward_view(sample, text, tokenizer.decode(completion, skip_special_tokens=True))
+            prompts.append(prompt)
+            completions.append(completion_text)
+            ids.append(completion)
+            for key, value in extra.items():
+                columns.setdefault(key, []).append(value)
+    if not ids:
+        return {}, []
+    by_function = score_completions(objective.rewards, objective.weights, prompts, completions, ids, columns)
+    return by_function, weighted_sum(by_function, objective.weights)
+
+
 def gather(fabric, value):
     """Every rank's ``value``, in rank order (just this one's in one process)."""
     if fabric.world_size == 1:
@@ -53,9 +73,8 @@ class RolloutBatches:
         self.args, self.fabric, self.pad = args, trainer.fabric, trainer.tokenizer.pad_token_id
         self.prompts = trainer.data.train
         place = trainer.context
-        self.order = SampleOrder(len(self.prompts), train.global_batch_size, train.global_batch_size // place.data_world, place.data_rank,
-                                 place.data_world, spec.seed)
         per_rank = train.global_batch_size // place.data_world
+        self.order = SampleOrder(len(self.prompts), train.global_batch_size, per_rank, place.data_rank, place.data_world, spec.seed)
         self.together = args.generation_batch or next(n for n in (16, 8, 4, 2, 1) if per_rank % n == 0)
         self.place = place
         self.engine = TransformersEngine(trainer.fabric, trainer.module, trainer.tokenizer, args.max_new_tokens, args.temperature, args.top_p)
@@ -157,20 +176,8 @@ class RolloutBatches:
 
     def score(self, mine: List[int], groups: List[dict]):
         """Each completion's reward (prompts, group), and each function's values, from the reward functions."""
-        tokenizer, objective = self.trainer.tokenizer, self.objective
-        prompts, completions, ids, columns = [], [], [], {}
-        for index, group in zip(mine, groups):
-            text = tokenizer.decode(self.prompts[index]["input_ids"], skip_special_tokens=True)
-            extra = columns_of(self.prompts[index])
-            for completion in group["completions"]:
-                prompt, completion_text = reward_view(self.prompts[index], text, tokenizer.decode(completion, skip_special_tokens=True))
-                prompts.append(prompt)
-                completions.append(completion_text)
-                ids.append(completion)
-                for key, value in extra.items():
-                    columns.setdefault(key, []).append(value)
-        by_function = score_completions(objective.rewards, objective.weights, prompts, completions, ids, columns) if ids else {}
-        total = weighted_sum(by_function, objective.weights) if ids else []
+        by_function, total = judge(self.trainer.tokenizer, self.objective,
+                                   [(self.prompts[index], group["completions"]) for index, group in zip(mine, groups)])
         rewards = torch.tensor(total, dtype=torch.float64).reshape(len(groups), self.args.group_size)
         return rewards, by_function
 
@@ -256,25 +263,15 @@ def held_out_reward(trainer, objective) -> Optional[Dict[str, float]]:
     mine = list(range(place.data_rank, len(data.val), place.data_world))
     per_rank = -(-len(data.val) // place.data_world)
     engine.model.eval()
-    prompts, completions, ids, columns = [], [], [], {}
+    scored = []
     for start in range(0, per_rank, trainer.spec.train.micro_batch_size):
         chunk = mine[start : start + trainer.spec.train.micro_batch_size]
         batch = chunk or [0]  # a stand-in: every rank makes the same generate calls
         input_ids, mask = left_padded([data.val[i]["input_ids"].tolist() for i in batch], trainer.tokenizer.pad_token_id)
-        width = input_ids.shape[1]
         out = engine.generate(input_ids.to(fabric.device), mask.to(fabric.device), greedy=True)
-        for i, row in zip(chunk, out[:, width:].cpu()):
-            completion, _ = engine.completion(row)
-            prompt, completion_text = reward_view(data.val[i], trainer.tokenizer.decode(data.val[i]["input_ids"], skip_special_tokens=True),
-                                                  trainer.tokenizer.decode(completion, skip_special_tokens=True))
-            prompts.append(prompt)
-            completions.append(completion_text)
-            ids.append(completion)
-            for key, value in columns_of(data.val[i]).items():
-                columns.setdefault(key, []).append(value)
+        scored += [(data.val[i], [engine.completion(row)[0]]) for i, row in zip(chunk, out[:, input_ids.shape[1]:].cpu())]
     engine.model.train()
-    by_function = score_completions(objective.rewards, objective.weights, prompts, completions, ids, columns) if ids else {}
-    total = weighted_sum(by_function, objective.weights) if ids else []
+    by_function, total = judge(trainer.tokenizer, objective, scored)
     sums = [sum(total), float(len(total))]
     for name in objective.rewards:
         judged = [v for v in by_function.get(name, []) if v is not None]
