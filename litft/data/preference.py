@@ -14,12 +14,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from litft.config import at_least
 from litft.data.base import DataModule, PreparedData, Prompted
 from litft.data.samples import IGNORE_INDEX, Sample
 from litft.data.records import RecordSource
 from litft.data.sft import PromptStyle, alpaca_prompt
-from litft.data.tiny import LETTERS, TASKS, task_record
+from litft.data.tiny import LETTERS, TASKS, check_tiny, task_record
 from litft.errors import LitftError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -232,11 +231,7 @@ class TinyPreferences(PreferenceData):
 
     def check(self) -> None:
         super().check()
-        at_least(self.num_train, 1, "--data.num_train")
-        at_least(self.num_val, 0, "--data.num_val")
-        unknown = sorted(set(self.tasks) - set(TASKS))
-        if unknown:
-            raise LitftError(f"--data.tasks has unknown task(s) {unknown}; choose from {list(TASKS)}")
+        check_tiny(self.tasks, self.num_train, self.num_val)
 
     def records(self, seed: int):
         tasks = tuple(self.tasks)

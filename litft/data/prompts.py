@@ -6,19 +6,17 @@ passed to the reward functions by name with every completion, as TRL passes them
 """
 
 import json
-import random
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from litft.config import at_least
 from litft.data.base import DataModule, PreparedData, Prompted
 from litft.data.preference import as_messages, is_messages
 from litft.data.samples import Sample
 from litft.data.records import RecordSource
 from litft.data.sft import PromptStyle, alpaca_prompt
-from litft.data.tiny import TASKS, task_record
+from litft.data.tiny import TASKS, check_tiny, task_records
 from litft.errors import LitftError
 
 
@@ -139,18 +137,11 @@ class TinyPrompts(PromptData):
 
     def check(self) -> None:
         super().check()
-        at_least(self.num_train, 1, "--data.num_train")
-        at_least(self.num_val, 0, "--data.num_val")
-        unknown = sorted(set(self.tasks) - set(TASKS))
-        if unknown:
-            raise LitftError(f"--data.tasks has unknown task(s) {unknown}; choose from {list(TASKS)}")
+        check_tiny(self.tasks, self.num_train, self.num_val)
 
     def records(self, seed: int):
-        rng = random.Random(seed)
-        tasks = tuple(self.tasks)
         records = []
-        for i in range(self.num_train + self.num_val):
-            task = task_record(rng, tasks[i % len(tasks)])
+        for task in task_records(self.num_train + self.num_val, seed, tuple(self.tasks)):
             prompt = task["instruction"] if self.prompt_style == "alpaca" else f"{task['instruction']}\n{task['input']}"
             records.append({"prompt": prompt, "input": task["input"], "answer": task["output"]})
         return records[: self.num_train], records[self.num_train:], "TinyPrompts"

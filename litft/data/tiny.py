@@ -34,6 +34,15 @@ def task_record(rng: random.Random, task: str) -> Dict[str, str]:
     return {"instruction": INSTRUCTIONS[task], "input": " ".join(letters), "output": answer}
 
 
+def check_tiny(tasks, num_train: int, num_val: int) -> None:
+    """The checks every generated TinyTasks set shares (instruction records, preference pairs, RL prompts)."""
+    at_least(num_train, 1, "--data.num_train")
+    at_least(num_val, 0, "--data.num_val")
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise LitftError(f"--data.tasks has unknown task(s) {unknown}; choose from {list(TASKS)}")
+
+
 def task_records(n: int, seed: int, tasks=TASKS) -> List[Dict[str, str]]:
     rng = random.Random(seed)
     return [task_record(rng, tasks[i % len(tasks)]) for i in range(n)]
@@ -60,13 +69,9 @@ class TinyTasks(InstructionData):
 
     def check(self) -> None:
         super().check()
-        at_least(self.num_train, 1, "--data.num_train")
-        at_least(self.num_val, 0, "--data.num_val")
+        check_tiny(self.tasks, self.num_train, self.num_val)
 
     def records(self, seed: int):
-        unknown = sorted(set(self.tasks) - set(TASKS))
-        if unknown:
-            raise LitftError(f"--data.tasks has unknown task(s) {unknown}; choose from {list(TASKS)}")
         tasks = tuple(self.tasks)
         # Validation comes from another seed, so scores measure answers the model never saw.
         return task_records(self.num_train, seed, tasks), task_records(self.num_val, seed + 10_000, tasks), "TinyTasks"
