@@ -17,6 +17,12 @@ from litft.config import ObjectiveArgs
 from litft.errors import LitftError
 
 
+def sums_per_sequence(values: torch.Tensor, sequence: torch.Tensor, sequences: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's sum of its tokens' ``values`` and its token count (``sequence``: each token's sequence index)."""
+    zeros = values.new_zeros(sequences)
+    return zeros.index_add(0, sequence, values), zeros.index_add(0, sequence, torch.ones_like(values))
+
+
 class Objective:
     """The supervised default's answers; each family overrides what differs."""
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from litft.config import ObjectiveArgs
 from litft.errors import LitftError
-from litft.objectives.base import Objective
+from litft.objectives.base import Objective, sums_per_sequence
 from litft.parallel.context import MARK, group_sum
 
 # Per-step sums kept on the device and reduced at log steps: the pairs, then each figure summed over them.
@@ -37,8 +37,7 @@ STATS = ("pairs", "reward_chosen", "reward_rejected", "preference_accuracy", "lo
 
 def sequence_sums(token_logps: torch.Tensor, sequence: torch.Tensor, pairs: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs and token counts of every sequence, as (pairs, 2): chosen in column 0, rejected in 1."""
-    sums = torch.zeros(2 * pairs, dtype=torch.float32, device=token_logps.device).index_add(0, sequence, token_logps.float())
-    counts = torch.zeros(2 * pairs, dtype=torch.float32, device=token_logps.device).index_add(0, sequence, torch.ones_like(token_logps, dtype=torch.float32))
+    sums, counts = sums_per_sequence(token_logps.float(), sequence, 2 * pairs)
     return sums.view(pairs, 2), counts.view(pairs, 2)
 
 

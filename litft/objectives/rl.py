@@ -27,7 +27,7 @@ import torch
 
 from litft.config import ObjectiveArgs
 from litft.errors import LitftError
-from litft.objectives.base import Objective
+from litft.objectives.base import Objective, sums_per_sequence
 from litft.objectives.rewards import load_rewards
 
 ROLLOUT_STATS = ("rollout_steps", "prompts", "completions", "completion_tokens", "cut", "equal_groups", "entropy", "generation_s",
@@ -41,9 +41,8 @@ def token_losses(logp: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor,
     low, high = args.epsilon, args.epsilon_high if args.epsilon_high is not None else args.epsilon
     token_advantage = advantage[sequence]
     if args.importance == "sequence":  # GSPO: one ratio per completion, from the mean of its tokens' log-ratios
-        lengths = torch.zeros(sequences, dtype=logp.dtype, device=logp.device).index_add(0, sequence, torch.ones_like(logp))
-        mean = torch.zeros(sequences, dtype=logp.dtype, device=logp.device).index_add(0, sequence, logp - old) / lengths.clamp(min=1)
-        ratio = torch.exp(mean)[sequence]
+        sums, lengths = sums_per_sequence(logp - old, sequence, sequences)
+        ratio = torch.exp(sums / lengths.clamp(min=1))[sequence]
     else:
         ratio = torch.exp(logp - old)
     clipped = ratio.clamp(1 - low, 1 + high)
@@ -61,8 +60,7 @@ def loss_sum_of(losses: torch.Tensor, sequence: torch.Tensor, sequences: int, no
         return losses.sum()
     if norm == "constant":
         return losses.sum() / max_new_tokens
-    lengths = torch.zeros(sequences, dtype=losses.dtype, device=losses.device).index_add(0, sequence, torch.ones_like(losses))
-    sums = torch.zeros(sequences, dtype=losses.dtype, device=losses.device).index_add(0, sequence, losses)
+    sums, lengths = sums_per_sequence(losses, sequence, sequences)
     return (sums / lengths.clamp(min=1)).sum()
 
 
