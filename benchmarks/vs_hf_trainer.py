@@ -164,6 +164,15 @@ def run_measured(command: list, work: Path, env: dict):
         return process.returncode, usage.ru_maxrss * 1024 / 1e9, out.read(), err.read()
 
 
+def run_litft(flags: list, work: Path, threads: int) -> float:
+    """``python -m litft`` with ``flags`` in its own process in ``work``; its peak resident memory (GB), or exit on failure."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    code, peak_rss, _, stderr = run_measured([sys.executable, "-m", "litft", *flags], work, env)
+    if code != 0:
+        raise SystemExit(f"litft exited {code}: {stderr[-2000:]}")
+    return peak_rss
+
+
 def peer_side(script: str, raw: list, work: Path, side: str, threads: int) -> dict:
     """A peer's side: ``script`` run again in its own process with ``--_side side``; the result it printed after RESULT,
     with the process's peak resident memory."""
@@ -231,6 +240,7 @@ def steady_rates(out: Path, skip: int):
     mfu = [m for *_, m in steady if m is not None]
     return rows, {
         "tokens_per_s": sum(t for t, _, _ in steady) / seconds,
+        "s_per_step": seconds / len(steady),
         "mfu": sum(m * s for (_, s, m) in steady) / seconds if len(mfu) == len(steady) and mfu else None,  # time-weighted, as tokens/s
     }
 

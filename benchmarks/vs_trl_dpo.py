@@ -23,9 +23,7 @@ pairs for both sides.
 """
 
 import argparse
-import csv
 import json
-import os
 import random
 import sys
 import tempfile
@@ -36,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from vs_hf_trainer import RESULT, WORDS, peer_side, run_measured, smollm2_folder  # noqa: E402
+from vs_hf_trainer import RESULT, WORDS, peer_side, run_litft, smollm2_folder, steady_rates  # noqa: E402
 
 SIDES = ("litft", "trl", "trl-padding-free")
 
@@ -105,17 +103,10 @@ def litft_side(args, model: Path, work: Path) -> dict:
         "--lora_dropout", "0", "--export", "none", "--eval.initial_validation", "false", "--eval.final_validation", "false",
         "--seed", str(args.seed), "--out_dir", str(out), "--overwrite", "true", "--logger_name", "csv",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    code, peak_rss, _, stderr = run_measured([sys.executable, "-m", "litft", *flags], work, env)
-    if code != 0:
-        raise SystemExit(f"litft exited {code}: {stderr[-2000:]}")
-    with open(out / "logs" / "csv" / "metrics.csv") as f:
-        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("tokens_per_s")]
-    tokens = [b["tokens"] - a for a, b in zip([0.0] + [r["tokens"] for r in rows], rows)]
-    steady = [(t, t / r["tokens_per_s"]) for t, r in zip(tokens, rows) if r["step"] > args.skip]
+    peak_rss = run_litft(flags, work, args.threads)
+    rows, rates = steady_rates(out, args.skip)
     peak = max(r["peak_memory_gb"] for r in rows) if args.accelerator == "cuda" else peak_rss
-    return {"tokens_per_s": sum(t for t, _ in steady) / sum(s for _, s in steady), "peak_gb": peak, "steps": len(rows),
-            "loss_last": rows[-1]["loss"]}
+    return {"tokens_per_s": rates["tokens_per_s"], "peak_gb": peak, "steps": len(rows), "loss_last": rows[-1]["loss"]}
 
 
 def trl_side(args, model_path: Path, work: Path, padding_free: bool) -> dict:

@@ -21,9 +21,7 @@ allocator's peak).
 """
 
 import argparse
-import csv
 import json
-import os
 import sys
 import tempfile
 import time
@@ -34,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tutorials"))
 sys.path.insert(0, str(ROOT))
 
-from vs_hf_trainer import RESULT, peer_side, run_measured, smollm2_folder  # noqa: E402
+from vs_hf_trainer import RESULT, peer_side, run_litft, smollm2_folder, steady_rates  # noqa: E402
 
 SIDES = ("litft", "litft-checkpointed", "trl")  # TRL's GRPOConfig checkpoints activations by default, litft does not
 REWARD = ROOT / "tutorials" / "smollm2_grpo.py"
@@ -77,18 +75,12 @@ def litft_side(args, model: Path, work: Path, checkpointed: bool) -> dict:
         "--seed", str(args.seed), "--out_dir", str(out), "--overwrite", "true", "--logger_name", "csv",
         *(["--train.gradient_checkpointing", "true"] if checkpointed else []),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    code, peak_rss, _, stderr = run_measured([sys.executable, "-m", "litft", *flags], work, env)
-    if code != 0:
-        raise SystemExit(f"litft exited {code}: {stderr[-2000:]}")
-    with open(out / "logs" / "csv" / "metrics.csv") as f:
-        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("tokens_per_s")]
-    tokens = [b["tokens"] - a for a, b in zip([0.0] + [r["tokens"] for r in rows], rows)]
-    steady = [(t, t / r["tokens_per_s"], r) for t, r in zip(tokens, rows) if r["step"] > args.skip]
-    seconds = sum(s for _, s, _ in steady)
+    peak_rss = run_litft(flags, work, args.threads)
+    rows, rates = steady_rates(out, args.skip)
+    steady = [r for r in rows if r["step"] > args.skip]
     peak = max(r["peak_memory_gb"] for r in rows) if args.accelerator == "cuda" else peak_rss
-    return {"s_per_step": seconds / len(steady), "tokens_per_s": sum(t for t, _, _ in steady) / seconds, "peak_gb": peak,
-            "completion_length": sum(r["completion_length"] for _, _, r in steady) / len(steady), "steps": len(rows)}
+    return {"s_per_step": rates["s_per_step"], "tokens_per_s": rates["tokens_per_s"], "peak_gb": peak,
+            "completion_length": sum(r["completion_length"] for r in steady) / len(steady), "steps": len(rows)}
 
 
 def trl_side(args, model_path: Path, work: Path) -> dict:
