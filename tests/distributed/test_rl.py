@@ -65,7 +65,8 @@ def test_two_ranks_sample_train_and_validate_as_one_process(case, runs):
     a, b = step_losses(reference), step_losses(got)
     assert len(a) == len(b) == 4 and all(abs(x - y) <= 1e-5 * abs(x) + 1e-7 for x, y in zip(a, b)), (a, b)
     assert any(abs(x) > 1e-3 for x in a), a
-    figures = lambda run: [(r["step"], r[k]) for r in read_metrics(run) for k in ("reward_mean", "val_reward", "clip_fraction") if k in r]  # noqa: E731
+    # (step, value) pairs flattened: newer pytest's approx takes no nested sequences
+    figures = lambda run: [v for r in read_metrics(run) for k in ("reward_mean", "val_reward", "clip_fraction") if k in r for v in (r["step"], r[k])]  # noqa: E731
     assert figures(got) == pytest.approx(figures(reference), abs=1e-6)
 
 
