@@ -194,7 +194,7 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
     bounds = kwargs.get("litft_bounds")
     if cu is None:
         position_ids = kwargs.get("position_ids")
-        if position_ids is None:  # every row one sample
+        if position_ids is None or kwargs.get("litft_whole_rows"):  # every row one sample (its padding after it)
             bounds = tuple(range(0, query.shape[0] * query.shape[2] + 1, query.shape[2]))
             cu = torch.tensor(bounds, dtype=torch.int32)
         else:
@@ -321,4 +321,4 @@ def describe(implementation: str, device_type: str, precision: str) -> str:
         return f"attention: {SEGMENTS} with {how} ({why}); samples of a row kept apart without a mask"
     if implementation == "flash_attention_2":
         return "attention: flash_attention_2 (varlen from the position ids; samples of a row kept apart without a mask)"
-    return f"attention: {implementation} (padded batches; packed rows need a dense block-diagonal mask)"
+    return f"attention: {implementation} (padded batches, a row per sequence: packed rows would need a dense block-diagonal mask)"

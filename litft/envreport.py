@@ -18,6 +18,7 @@ import torch.distributed as dist
 from litft.attention import SEGMENTS, choose
 from litft.varlen import VARLEN, segments_path
 from litft.experts import CHOSEN, grouped_kernel
+from litft.recurrent import KERNEL_PACKAGES
 from litft.selfcheck import Case, run_matrix, summary_line
 
 PACKAGES = ("litft", "torch", "lightning-fabric", "transformers", "peft", "bitsandbytes", "deepspeed", "liger-kernel", "flash-attn", "datasets", "accelerate")
@@ -71,6 +72,8 @@ def report_lines() -> List[str]:
         else:
             lines.append(f"attention     {precision:<10} -> {chosen}: flash-attn is installed and takes {precision}")
     lines.append(f"MoE experts   {experts_line(device)}")
+    kernels = ", ".join(f"{name} {installed(name) or 'not installed'}" for name in KERNEL_PACKAGES.values())
+    lines.append(f"state layers  {kernels} (transformers' CUDA kernels for Mamba, short convolutions, gated delta rules; PyTorch otherwise)")
     return lines
 
 

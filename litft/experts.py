@@ -12,6 +12,8 @@ transformers offer it, and says so on the run's first screen and in ``litft env`
 Older transformers, without the interface, keep the model's own loop.
 """
 
+import contextlib
+import threading
 from typing import Dict, List, Optional
 
 import torch
@@ -122,7 +124,11 @@ class ExpertLoad:
             if index is None:
                 return
             experts = int(getattr(module, "num_experts", 0) or module.config.num_local_experts)
-            tokens = count_per_expert(index.reshape(-1), experts)
+            real = getattr(COUNTED, "tokens", None)
+            if real is not None and real.numel() == index.shape[0]:  # padded rows: padding reaches the router, not the count
+                tokens = count_per_expert(index.reshape(-1), experts, real.reshape(-1, 1).expand_as(index).reshape(-1))
+            else:
+                tokens = count_per_expert(index.reshape(-1), experts)
             if self.counts is None:
                 self.counts = torch.zeros(len(self.layers), experts, dtype=torch.float64, device=tokens.device)
             self.counts[position] += tokens
@@ -139,13 +145,28 @@ class ExpertLoad:
             handle.remove()
 
 
-def count_per_expert(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
-    """Pairs routed to each of ``experts`` (int64, on the ids' device), into a buffer of fixed size: no device sync.
+def count_per_expert(expert_ids: torch.Tensor, experts: int, counted: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pairs routed to each of ``experts`` (int64, on the ids' device), into a buffer of fixed size: no device sync; only
+    the pairs ``counted`` marks where it is given.
 
     torch.bincount sizes its output from the largest id, which a GPU must read back to the host first.
     """
     ids = expert_ids.long()
-    return torch.zeros(experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    ones = torch.ones_like(ids) if counted is None else counted.long()
+    return torch.zeros(experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, ones)
+
+
+COUNTED = threading.local()  # .tokens: the micro-batch's tokens that are not padding (rows x width, bool), during its forward
+
+
+@contextlib.contextmanager
+def counting_only(real: Optional[torch.Tensor]):
+    """Expert loads inside it count the tokens ``real`` marks (collate's padded rows), not the padding after them."""
+    previous, COUNTED.tokens = getattr(COUNTED, "tokens", None), real
+    try:
+        yield
+    finally:
+        COUNTED.tokens = previous
 
 
 def load_figures(counts: torch.Tensor, groups: int = 1) -> Dict[str, float]:

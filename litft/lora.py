@@ -15,6 +15,7 @@ from transformers import BitsAndBytesConfig
 from litft.config import QUANTIZE_CHOICES, LoraArgs
 from litft.errors import LitftError
 from litft.experts import is_experts
+from litft.recurrent import carries_state
 
 
 def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype) -> Optional[BitsAndBytesConfig]:
@@ -29,12 +30,24 @@ def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype) -> 
     )
 
 
-def peft_config(lora: LoraArgs):
+def peft_config(lora: LoraArgs, model):
     from peft import LoraConfig
 
     return LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.targets, task_type="CAUSAL_LM", bias="none"
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=resolved_targets(lora, model), task_type="CAUSAL_LM",
+        bias="none",
     )
+
+
+def resolved_targets(lora: LoraArgs, model):
+    """``all-linear`` without the output projection of Mamba mixers, whose CUDA kernels (mamba-ssm) read ``out_proj.weight``
+    directly, past any adapter; peft refuses it for some of these models and would let others lose the adapter on a GPU."""
+    if lora.targets != "all-linear" or not carries_state(model.config):
+        return lora.targets
+    head = model.get_output_embeddings()
+    mixers = {name for name, module in model.named_modules() if "Mamba" in type(module).__name__ or type(module).__name__.endswith("Mixer")}
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head
+            and not (name.rpartition(".")[0] in mixers and name.endswith("out_proj"))]
 
 
 @contextlib.contextmanager
@@ -58,8 +71,9 @@ def expert_lora_config(config, lora: LoraArgs):
 
     from litft.weights import skeleton
 
+    probe_model = skeleton(config, torch.float32)
     with quiet_peft():
-        probe = get_peft_model(skeleton(config, torch.float32), peft_config(dataclasses.replace(lora, dropout=0.0)))
+        probe = get_peft_model(probe_model, peft_config(dataclasses.replace(lora, dropout=0.0), probe_model))
     resolved = probe.peft_config["default"]
     return LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=0.0, target_modules=sorted(resolved.target_modules or []),
@@ -80,7 +94,7 @@ def apply_lora(model, lora: LoraArgs):
 
     if not any(is_experts(module) for module in model.modules()):
         try:
-            return keep_one_input_per_layer(get_peft_model(model, peft_config(lora)))
+            return keep_one_input_per_layer(get_peft_model(model, peft_config(lora, model)))
         except ValueError as err:
             raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
     # MoE experts stored as one 3-D tensor per layer take adapters through peft's ParamWrapper, which has no dropout:

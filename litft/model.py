@@ -11,7 +11,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from litft.attention import PACKED_SAFE, SEGMENTS, packed_rows_known
 from litft.config import ObjectiveArgs, TrainArgs
 from litft.errors import LitftError
+from litft.experts import counting_only
 from litft.objectives import Objective, build_objective
+from litft.recurrent import STATE_LAYER_TYPES, carries_state, check_recurrent
 from litft.loss import fused_head
 from litft.tiny import TINY_MOE_NAME, TINY_NAME, ensure_tiny_model
 
@@ -59,12 +61,6 @@ def load_config(source: str):
         raise _hub_error(source, err) from None
 
 
-# Config fields of layers that carry a state from token to token (Mamba, linear attention, short convolutions).
-RECURRENT_FIELDS = ("mamba_", "ssm_", "linear_num_", "linear_key_head", "conv_L_cache", "layers_block_type")
-
-
-# Recurrent models whose configs name no layer types and no field of the kinds above.
-RECURRENT_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "minimax")
 # The attention layers litft's padding-free attention computes as transformers does.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -72,20 +68,13 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 def check_architecture(config) -> None:
     """One line, before any process starts, for a model litft cannot train as transformers computes it."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    others = sorted(set(getattr(text, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES))
+    others = sorted(set(getattr(text, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES) - set(STATE_LAYER_TYPES))
     if others:
         raise LitftError(
             f"litft cannot train {text.model_type} models yet: their {others[0]} layers are not computed by litft's padding-free "
-            "attention as transformers computes them (state carried from token to token, or attention in chunks); use transformers' Trainer for it"
+            "attention as transformers computes them (attention in chunks or over selected tokens); use transformers' Trainer for it"
         )
-    recurrent = sorted(key for key in text.to_dict() if key.startswith(RECURRENT_FIELDS))
-    if text.model_type in RECURRENT_TYPES and not recurrent:
-        recurrent = [text.model_type]
-    if recurrent:
-        raise LitftError(
-            f"litft cannot train {text.model_type} models yet: their state-space or linear-attention layers ({recurrent[0]}, ...) carry "
-            "state from token to token, which litft's padding-free rows would leak between samples; use transformers' Trainer for it"
-        )
+    check_recurrent(config)
 
 
 def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quantization_config=None, device=None):
@@ -173,6 +162,7 @@ class CausalLM(torch.nn.Module):
         self.objective = objective if isinstance(objective, Objective) else build_objective(objective or ObjectiveArgs(), hasattr(model, "disable_adapter"))
         self.compiled_kinds = 0  # kinds of block compiled (litft.compiling), the first compile of each not a recompile
         self.router_aux: list = []  # this step's router load-balancing losses (MoE), read and cleared by the loop
+        self.whole_rows = carries_state(self.hf_model.config)  # one sample per padded row, never packed (litft.recurrent)
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -190,6 +180,9 @@ class CausalLM(torch.nn.Module):
         # Where each sample of a row starts, for attention that keeps them apart (litft.attention).
         implementation = self.hf_model.config._attn_implementation
         extra = varlen if varlen is not None and implementation in PACKED_SAFE else {}
+        if extra and self.whole_rows:
+            # Rows of one sample each (litft.recurrent): transformers' state layers would read cu_seq_lens as packed samples.
+            extra = {"litft_whole_rows": True}
         if implementation != SEGMENTS:
             extra = {key: value for key, value in extra.items() if not key.startswith("litft_")}
         with packed_rows_known() if extra else contextlib.nullcontext():
@@ -204,7 +197,8 @@ class CausalLM(torch.nn.Module):
         if head is not None:
             head.loss_targets = (targets["index"], targets["labels"], per_token)
         try:
-            out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
+            with counting_only(batch.get("real")):
+                out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
         finally:
             if head is not None:
                 head.loss_targets = None

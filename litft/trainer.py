@@ -42,6 +42,7 @@ from litft.fp8 import describe as describe_fp8
 from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
+from litft.recurrent import carries_state, describe as describe_recurrent
 from litft.model import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
 from litft.parallel.context import check_context_parallel
 from litft.parallel.expert import check_expert_parallel
@@ -171,6 +172,8 @@ class Trainer:
         fabric.seed_everything(spec.seed, verbose=False)
         attention = self.attention
         fabric.print(describe_attention(attention, fabric.device.type, self.precision))
+        if carries_state(self.config):
+            fabric.print(describe_recurrent(self.config))
         fabric.print(self.compiling.line())
         self.lm, fill, on_device = build_module(
             source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed,
@@ -203,7 +206,8 @@ class Trainer:
             continue_logs(fabric, self.state.step)
             fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
         self.start_step = self.stops.start_step = self.state.step
-        self.padding_free = self.attention in PACKED_SAFE  # samples end to end in one row, no padding computed
+        # Samples end to end in one row, no padding computed; a sample per row where layers carry state (litft.recurrent).
+        self.padding_free = self.attention in PACKED_SAFE and not self.lm.whole_rows
         self.lm.objective.prepare(self, resume_from if position is not None else None)  # a reference's scores, where it needs them
         train = spec.train
         # The ranks of a context group take the same samples: between them they are one data-parallel rank.

@@ -178,7 +178,7 @@ class Materializer:
     """
 
     def __init__(self, root: nn.Module, hf_model: nn.Module, weights: Optional[CheckpointWeights], seed: int):
-        self.hf_model = hf_model
+        self.root, self.hf_model = root, hf_model
         self.weights = weights
         self.seed = seed
         # Tensors are known by where they sit (module, kind, attribute), not by identity: a precision plugin's cast
@@ -245,11 +245,25 @@ class Materializer:
             getattr(module, kind)[attr] = value
             fresh.append((key, template, value))
         if any(key is None for key, _, _ in fresh):
+            derived = [value for (kind, attr, _), (key, _, value) in zip(slots, fresh) if kind == "_buffers" and key is None]
+            for value in derived:
+                value.fill_(math.nan)
             self.initialize(name, module, [value for key, _, value in fresh if key is None])
+            self.derive_from_ancestors(module_name, [value for value in derived if value.is_floating_point() and value.isnan().all()])
             for key, template, value in fresh:
                 if key is not None:  # the module's init also touched these; the checkpoint wins
                     value.data.copy_(self._read(key, template))
         return [value for _, _, value in fresh]
+
+    def derive_from_ancestors(self, module_name: str, unset: List[torch.Tensor]) -> None:
+        """Buffers the module's own init leaves unset (Falcon-H1's MuP vector is set by the model's init for every layer):
+        the init of each enclosing module runs, nearest first, until they are set. Those inits match no class of weight."""
+        parts = module_name.split(".") if module_name else []
+        with torch.random.fork_rng(devices=[]):
+            while unset and parts:
+                parts.pop()
+                self.hf_model._init_weights(self.root.get_submodule(".".join(parts)))
+                unset = [value for value in unset if value.isnan().all()]
 
     def checkpoint_key(self, module: nn.Module, kind: str, attr: str) -> Optional[str]:
         """The checkpoint's name for one of ``module``'s tensors; None where the tensor is initialized instead."""

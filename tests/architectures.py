@@ -67,12 +67,62 @@ ARCHITECTURES = [
                  "MoE, sliding window (by the mask alone)"),
     Architecture("qwen3-moe", "Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8), "MoE"),
     Architecture("gpt-neox", "GPTNeoXConfig", dict(num_key_value_heads=None, use_parallel_residual=True)),
-    Architecture("falcon-h1", "FalconH1Config", dict(head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
-                                                     mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8),
-                 "attention + Mamba", refused="hybrid layers"),
     Architecture("llama4 (chunked)", "Llama4TextConfig", dict(head_dim=8, attention_chunk_size=WINDOW, intermediate_size_mlp=64,
                                                              num_local_experts=1), "chunked attention", refused="chunked_attention layers"),
-    Architecture("mamba", "MambaConfig", dict(state_size=8, num_key_value_heads=None), "state space", refused="linear_attention layers"),
+    # Layers that carry state from token to token (litft.recurrent): trained on padded rows, one sample per row.
+    Architecture("mamba", "MambaConfig", dict(state_size=8, num_attention_heads=None, num_key_value_heads=None, intermediate_size=None, max_position_embeddings=None), "state space"),
+    Architecture("mamba2", "Mamba2Config", dict(state_size=8, num_heads=4, head_dim=16, n_groups=1, chunk_size=8, num_attention_heads=None, num_key_value_heads=None, intermediate_size=None, max_position_embeddings=None), "state space (SSD)"),
+    Architecture("falcon-mamba", "FalconMambaConfig", dict(state_size=8, num_attention_heads=None, num_key_value_heads=None, intermediate_size=None, max_position_embeddings=None), "state space"),
+    Architecture("falcon-h1", "FalconH1Config", dict(head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
+                                                     mamba_d_state=8, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8),
+                 "attention beside Mamba2 in each layer, MuP multipliers"),
+    Architecture("bamba", "BambaConfig", dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+                                              mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8), "Mamba2 and attention layers"),
+    Architecture("granite-4 hybrid", "GraniteMoeHybridConfig", dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+                                                                    mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                                                                    mamba_chunk_size=8, num_local_experts=4, num_experts_per_tok=2,
+                                                                    shared_intermediate_size=64), "Mamba2 and attention layers, MoE"),
+    Architecture("jamba", "JambaConfig", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                              num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                                              mamba_dt_rank=4, use_mamba_kernels=False), "Mamba and attention layers, MoE"),
+    Architecture("zamba", "ZambaConfig", dict(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2,
+                                              mamba_dt_rank=4, use_mamba_kernels=False, attention_head_dim=16, attention_hidden_size=64,
+                                              n_mamba_heads=2), "Mamba layers and a shared attention block"),
+    Architecture("zamba2", "Zamba2Config", dict(layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=16, n_mamba_heads=4,
+                                                mamba_ngroups=1, chunk_size=8, attention_head_dim=16, use_mem_eff_path=False),
+                 "Mamba2 layers and a shared attention block"),
+    Architecture("nemotron-h", "NemotronHConfig", dict(hybrid_override_pattern="M*", ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,
+                                                       n_groups=1, chunk_size=8, head_dim=8), "Mamba2 and attention layers"),
+    Architecture("lfm2", "Lfm2Config", dict(layer_types=["conv", "full_attention"], block_ff_dim=64, conv_L_cache=3), "short convolutions"),
+    Architecture("lfm2-moe", "Lfm2MoeConfig", dict(layer_types=["conv", "full_attention"], num_dense_layers=1, num_experts=4,
+                                                   num_experts_per_tok=2, moe_intermediate_size=32, conv_L_cache=3),
+                 "short convolutions, MoE"),
+    Architecture("lfm3", "Lfm3Config", dict(layer_types=["conv", "sliding_attention"], pad_token_id=0, head_dim=8, conv_L_cache=3,
+                                            sliding_window=WINDOW), "short convolutions, sliding window"),
+    Architecture("qwen3-next", "Qwen3NextConfig", dict(layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                                                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+                 "gated delta rule, MoE"),
+    Architecture("qwen3.5", "Qwen3_5TextConfig", dict(layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4), "gated delta rule"),
+    Architecture("qwen3.5-moe", "Qwen3_5MoeTextConfig", dict(layer_types=["linear_attention", "full_attention"], head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+                                                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+                 "gated delta rule, MoE"),
+    Architecture("olmo-hybrid", "OlmoHybridConfig", dict(layer_types=["linear_attention", "full_attention"], pad_token_id=0,
+                                                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_linear_value_linear_conv_kernel_dim=4), "gated delta rule"),
+    Architecture("kimi-linear", "KimiLinearConfig", dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                                                         pad_token_id=0, num_key_value_heads=4, num_experts=4, num_experts_per_token=2,
+                                                         moe_intermediate_size=32, linear_head_dim=8, linear_num_heads=4, qk_rope_head_dim=4,
+                                                         qk_nope_head_dim=4, v_head_dim=8, head_dim=8, kv_lora_rank=16, q_lora_rank=None),
+                 "delta attention, MLA, MoE"),
+    Architecture("minimax", "MiniMaxConfig", dict(layer_types=["linear_attention", "full_attention"], head_dim=8, num_local_experts=4,
+                                                  num_experts_per_tok=2), "lightning attention, MoE"),
+    Architecture("recurrent-gemma", "RecurrentGemmaConfig", dict(block_types=["recurrent", "attention"], lru_width=32, head_dim=8,
+                                                                 num_key_value_heads=1), "RG-LRU"),
+    Architecture("rwkv", "RwkvConfig", dict(attention_hidden_size=32, context_length=256, num_attention_heads=None, num_key_value_heads=None,
+                                            max_position_embeddings=None), "RWKV time mixing"),
+    Architecture("zaya", "ZayaConfig", dict(layer_types=["hybrid", "hybrid"], head_dim=8, num_experts=4, num_experts_per_tok=1,
+                                            moe_intermediate_size=32, router_hidden_size=16, pad_token_id=0), "hybrid layers, MoE"),
+    Architecture("xlstm", "xLSTMConfig", dict(num_heads=2, num_blocks=2, chunk_size=8, pad_token_id=0, num_attention_heads=None, num_key_value_heads=None, intermediate_size=None, max_position_embeddings=None), "mLSTM",
+                 refused="not yet checked against transformers"),
 ]
 
 
@@ -146,6 +196,8 @@ def as_litft_builds_it(folder, dtype=torch.float32, device="cpu"):
 
 
 def attention_path(architecture: Architecture) -> str:
+    if getattr(architecture.build(), "num_attention_heads", None) is None:
+        return "none (state-space layers only)"
     if "softcapping" in architecture.features or "sinks" in architecture.features:
         return "the model's own eager attention, a sample at a time"
     if "window" in architecture.features:
@@ -159,12 +211,14 @@ def table() -> str:
     from litft.model import check_architecture
     from litft.parallel.context import check_context_parallel
     from litft.parallel.tensor import check_tensor_parallel
+    from litft.recurrent import carries_state
 
     def verdict(check, config) -> str:
         try:
             check(config, 2)
         except LitftError as err:
-            return "refused: " + str(err).split(", and ")[-1].split(";")[0].replace("|", "/")
+            line = str(err).split(", and ")[-1].split(";")[0].replace("|", "/")
+            return "refused: " + ("state carried along the sequence" if "carry state" in line else line)
         return "yes"
 
     rows = ["| model (transformers config) | what it adds | attention | packed rows | --context_parallel | --tensor_parallel |",
@@ -176,7 +230,8 @@ def table() -> str:
         except Exception as err:  # noqa: BLE001
             rows.append(f"| {a.name} (`{a.config}`) | {a.features} | refused: {str(err).split(': ', 1)[-1].split(';')[0]} | | | |")
             continue
-        rows.append(f"| {a.name} (`{a.config}`) | {a.features or '-'} | {attention_path(a)} | yes | {verdict(check_context_parallel, config)} | "
+        rows_are = "no: a sample per padded row (state)" if carries_state(config) else "yes"
+        rows.append(f"| {a.name} (`{a.config}`) | {a.features or '-'} | {attention_path(a)} | {rows_are} | {verdict(check_context_parallel, config)} | "
                     f"{verdict(check_tensor_parallel, config)} |")
     return "\n".join(rows)
 

@@ -7,7 +7,7 @@ import torch
 from litft.data.samples import IGNORE_INDEX, Sample
 
 def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> Dict[str, torch.Tensor]:
-    """One micro-batch: its samples end to end in one row (``padding_free``), or right-padded rows.
+    """One micro-batch: its samples end to end in one row (``padding_free``), or right-padded rows, one per sequence.
 
     Every batch carries position ids and no attention mask. A padding-free row's
     positions restart at every sample and its attention keeps the samples apart
@@ -26,15 +26,17 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
         labels = torch.cat(labels)[None]
         position_ids = torch.cat([s.get("position_ids", torch.arange(len(s["input_ids"]))) for s in samples])[None]
     else:
-        width = max(len(s["input_ids"]) for s in samples)
-        input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-        labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
-        position_ids = torch.zeros((len(samples), width), dtype=torch.long)
-        for row, sample in enumerate(samples):
-            n = len(sample["input_ids"])
-            input_ids[row, :n] = sample["input_ids"]
-            labels[row, :n] = sample["labels"]
-            position_ids[row, :n] = sample.get("position_ids", torch.arange(n))
+        # A row per sequence: a preference pair's chosen and rejected answers get a row each, so no layer that carries
+        # state (litft.recurrent) reads one into the other, and attention needs no block-diagonal mask.
+        pieces = [piece for s in samples for piece in sequences_of(s)]
+        width = max(len(ids) for ids, _, _ in pieces)
+        input_ids = torch.full((len(pieces), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(pieces), width), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros((len(pieces), width), dtype=torch.long)
+        real = torch.zeros((len(pieces), width), dtype=torch.bool)
+        for row, (ids, targets, positions) in enumerate(pieces):
+            n = len(ids)
+            input_ids[row, :n], labels[row, :n], position_ids[row, :n], real[row, :n] = ids, targets, positions, True
             position_ids[row, n:] = torch.arange(width - n) + position_ids[row, n - 1] + 1
     batch = {
         "input_ids": input_ids, "labels": labels, "position_ids": position_ids,
@@ -43,12 +45,21 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
         "varlen": cumulative_lengths(position_ids),
         "targets": targets_of(labels),
     }
+    if not padding_free:
+        batch["real"] = real  # the tokens that are not padding, for counts that must not see it (litft.experts)
     if "rejected_start" in samples[0]:  # preference pairs (litft.data.preference): two sequences each, chosen then rejected
         batch["pairs"] = len(samples)  # what the loss is a mean over; under context parallel, counted by one rank of the group
         batch["targets"]["sequence"] = sequence_of(batch["targets"]["index"], position_ids)
         if "reference" in samples[0]:  # log-probs of the reference model, scored before training
             batch["reference"] = torch.stack([s["reference"] for s in samples])
     return batch
+
+
+def sequences_of(sample: Sample) -> List[tuple]:
+    """A sample's sequences (more than one where its position ids restart: a preference pair), each as (ids, labels, positions)."""
+    positions = sample.get("position_ids", torch.arange(len(sample["input_ids"])))
+    bounds = sample_starts(positions[None])[0].nonzero().flatten().tolist() + [len(positions)]
+    return [(sample["input_ids"][a:b], sample["labels"][a:b], positions[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def sequence_of(index: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,15 @@ from litft.data.collate import cumulative_lengths
 
 from litft.data.samples import IGNORE_INDEX
 from litft.errors import LitftError
+from litft.recurrent import refuse_split
 
 MARK = "litft_context"  # the varlen key that carries the context group to attention (generation's batches have none)
 
 
 def check_context_parallel(config, size: int) -> None:
     """One line when the model's attention heads cannot be dealt out over the group."""
+    if size > 1:
+        refuse_split(config, "--context_parallel")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal configs keep it apart
     heads = getattr(text, "num_attention_heads", None)
     if size > 1 and heads is not None and heads % size:

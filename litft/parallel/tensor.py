@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from litft.errors import LitftError
+from litft.recurrent import refuse_split
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output feature
 ROW = ("o_proj", "down_proj")  # split by input feature, then all-reduced
@@ -52,6 +53,7 @@ def check_tensor_parallel(config, size: int, quantize: Optional[str] = None) -> 
         return
     if quantize is not None:
         raise LitftError("--quantize with --tensor_parallel is not supported: 4-bit weights cannot be split as DTensors; drop one of them")
+    refuse_split(config, "--tensor_parallel")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     counts = {
         "attention heads": getattr(text, "num_attention_heads", None),

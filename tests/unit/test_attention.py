@@ -65,7 +65,7 @@ def test_packed_rows_are_kept_apart_without_a_mask(tiny_dir, sdpa_calls, monkeyp
     monkeypatch.setattr(attention, "GATHER_PADDING_LIMIT", 1.5 if gathered else 1.0)  # 4 x 9 = 36 places for 25 tokens
     lengths = [5, 9, 4, 7]
     lm = tiny_lm(tiny_dir, SEGMENTS)
-    packed = collate(pack(samples(lengths), max_length=32), pad_id=0)
+    packed = collate(pack(samples(lengths), max_length=32), pad_id=0, padding_free=True)
     assert packed["input_ids"].shape == (1, 25)
     loss = lm.loss_sum(packed)
     calls = [(len(lengths), max(lengths))] if gathered else [(1, n) for n in lengths]
@@ -119,7 +119,7 @@ def test_cuda_path_through_each_torch_signature(tiny_dir, standin, precision):
     off the kernel (G2), K/V repeated where there is no enable_gqa; the loss and gradients equal SDPA's."""
     release, kernel = standin
     lengths = [5, 9, 4, 7]
-    batch = collate(pack(samples(lengths), max_length=32), pad_id=0)
+    batch = collate(pack(samples(lengths), max_length=32), pad_id=0, padding_free=True)
     results = []
     for implementation in (SEGMENTS, "sdpa"):
         lm = tiny_lm(tiny_dir, implementation)
@@ -168,7 +168,7 @@ def test_cpu_bf16_mixed_packed_attention(tiny_dir, monkeypatch, gathered):
         attention.RECORD.clear()
         lm = tiny_lm(tiny_dir, SEGMENTS)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = lm.loss_sum(collate(pack(samples([5, 9, 4, 7]), max_length=32), pad_id=0))
+            loss = lm.loss_sum(collate(pack(samples([5, 9, 4, 7]), max_length=32), pad_id=0, padding_free=True))
         loss.backward()
     finally:
         varlen.use_varlen_kernel(previous)

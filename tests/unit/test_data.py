@@ -126,7 +126,8 @@ def test_packed_rows_give_the_same_logits_as_separate_samples(tiny_dir, tokenize
     samples = TinyTasks(num_train=6, num_val=0, max_seq_length=200).tokenize(tokenizer, seed=0).train[:3]
     packed = pack(samples, max_length=200)
     assert len(packed) == 1
-    batch = collate(packed, tokenizer.pad_token_id)
+    batch = collate(packed, tokenizer.pad_token_id, padding_free=True)
+    assert collate(packed, tokenizer.pad_token_id)["input_ids"].shape[0] == 3  # padded rows hold a sequence each
     with torch.no_grad():
         logits = lm(batch["input_ids"], batch["position_ids"])[0]
         offset = 0

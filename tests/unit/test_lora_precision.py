@@ -31,7 +31,8 @@ def test_bf16_mixed_lora_base_is_bf16_and_steps_like_peft(tiny_dir):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
 
-    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16), peft_config(lora))
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16)
+    reference = get_peft_model(base, peft_config(lora, base))
     reference.load_state_dict({n: p.detach() for n, p in trained.items()}, strict=False)
     assert {p.dtype for p in reference.parameters() if p.requires_grad} == {torch.float32}  # peft's own fp32 adapters
 
@@ -82,7 +83,7 @@ def test_adapter_dropout_keeps_a_mask_not_a_copy_and_trains_as_peft(tiny_dir, au
 
     base = load_causal_lm(str(tiny_dir), random_init=False, dtype=torch.float32)
     base.requires_grad_(False)
-    peft_model = get_peft_model(base, peft_config(LoraArgs(r=4, dropout=0.1)))
+    peft_model = get_peft_model(base, peft_config(LoraArgs(r=4, dropout=0.1), base))
     for name, param in peft_model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.02)

@@ -1,0 +1,82 @@
+"""Models whose layers carry a state from token to token (Mamba, Mamba2, gated delta rules, short convolutions, RG-LRU).
+
+Such a layer reads the whole row before a token, not only the tokens its attention
+mask allows: in a padding-free row the second sample would start from the state the
+first one left. litft trains these models on right-padded rows, one sample per row,
+so every sample starts from the layer's initial state and its padding comes after
+it, where nothing that carries loss reads it. The packed rows of attention-only
+models stay as they are. Which model types take this path was checked against
+transformers' own forward (tests/architectures.py); others that carry state are
+refused in one line.
+"""
+
+import importlib.util
+from typing import List
+
+from litft.errors import LitftError
+
+# Config fields of layers that carry a state from token to token.
+STATE_FIELDS = ("mamba_", "ssm_", "linear_num_", "linear_key_head", "conv_L_cache", "layers_block_type", "lru_width", "block_types")
+# Layer types (``layer_types`` in a config) that carry a state; hybrid layers hold attention and a state-space layer side by side.
+STATE_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "mamba", "recurrent")
+# Recurrent models whose configs name no layer types and no field of the kinds above.
+STATE_MODEL_TYPES = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "minimax")
+# Model types (their text config's) whose loss and gradients on padded rows equal transformers' eager forward of one sample at
+# a time, to 1e-5 and 1e-4 (tests/unit/test_architectures.py).
+CHECKED = ("mamba", "mamba2", "falcon_mamba", "falcon_h1", "bamba", "granitemoehybrid", "jamba", "zamba", "zamba2", "nemotron_h",
+           "lfm2", "lfm2_moe", "lfm3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "minimax",
+           "recurrent_gemma", "rwkv", "zaya")
+# The packages whose CUDA kernels transformers uses for these layers when they are installed (the PyTorch reference otherwise).
+KERNEL_PACKAGES = {"mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d", "fla": "flash-linear-attention"}
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def state_layers(config) -> List[str]:
+    """What in the config says a layer carries state (a layer type, a field, or the model type); empty for attention-only models."""
+    text = text_config(config)
+    found = sorted({t for t in (getattr(text, "layer_types", None) or []) if t in STATE_LAYER_TYPES})
+    found += sorted(key for key in text.to_dict() if key.startswith(STATE_FIELDS))
+    if text.model_type in STATE_MODEL_TYPES and not found:
+        found = [text.model_type]
+    return found
+
+
+def carries_state(config) -> bool:
+    return bool(state_layers(config))
+
+
+def check_recurrent(config) -> None:
+    """One line for a model with state-carrying layers that litft has not checked against transformers."""
+    text = text_config(config)
+    layers = state_layers(config)
+    if layers and text.model_type not in CHECKED:
+        raise LitftError(
+            f"litft cannot train {text.model_type} models yet: their {layers[0]} layers carry state from token to token and litft's "
+            "padded rows for them are not yet checked against transformers for this model type; use transformers' Trainer for it"
+        )
+
+
+def refuse_split(config, flag: str) -> None:
+    """Context and tensor parallel cut what a state-carrying layer reads whole (the row, the state's heads): one line."""
+    layers = state_layers(config)
+    if layers:
+        raise LitftError(
+            f"{flag} cannot split {text_config(config).model_type}'s {layers[0]} layers, which carry state along the whole "
+            f"sequence; drop {flag} (FSDP and DeepSpeed shard these models)"
+        )
+
+
+def installed_kernels() -> List[str]:
+    return [dist for module, dist in KERNEL_PACKAGES.items() if importlib.util.find_spec(module) is not None]
+
+
+def describe(config) -> str:
+    """The first screen's line for a state-carrying model: how its rows are laid out, and which kernels run its layers."""
+    kernels = installed_kernels()
+    found = (f"{', '.join(kernels)} installed (transformers runs them on a GPU)" if kernels
+             else "PyTorch reference path (mamba-ssm, causal-conv1d, flash-linear-attention not installed)")
+    return (f"rows: one sample per right-padded row, since {text_config(config).model_type}'s {state_layers(config)[0]} layers carry "
+            f"state from token to token; recurrent kernels: {found}")
