@@ -27,8 +27,9 @@ from litft.model import CausalLM, keep_4bit_training_layout, load_causal_lm, loa
 from litft.parallel.expert import compute_expert_lora
 from litft.parallel.strategies.base import Fill, TrainingStrategy
 from litft.weights import (
-    AdapterInit, CheckpointWeights, Materializer, checkpoint_in_model_layout, locate_checkpoint, skeleton, transformer_blocks,
+    AdapterInit, Materializer, locate_checkpoint, skeleton, transformer_blocks,
 )
+from litft.hub_layout import model_layout_weights
 
 
 def build_model(
@@ -114,6 +115,6 @@ def build_module(
         lm.compiled_kinds = compile_blocks(transformer_blocks(lm.hf_model))
     if loads_4bit:
         return lm, AdapterInit(Materializer(lm.model, lm.hf_model, None, seed)), True
-    weights = None if random_init else CheckpointWeights(checkpoint_in_model_layout(locate_checkpoint(source), lm.hf_model.config))
+    weights = None if random_init else model_layout_weights(locate_checkpoint(source), lm.hf_model.config)
     return lm, strategy.filler(lm, weights, seed), False
 

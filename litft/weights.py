@@ -9,12 +9,9 @@ DeepSpeed all start from the same weights, which is what lets the tests compare
 their losses.
 """
 
-import fcntl
-import hashlib
 import json
 import math
 import re
-import shutil
 import zlib
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -90,68 +87,6 @@ def locate_checkpoint(source: str) -> Path:
     except Exception as err:  # noqa: BLE001 - hub errors come in many types; all mean the same to the user
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise LitftError(f"could not fetch the weights of '{source}' ({first}); pass a local Hugging Face model folder") from None
-
-
-def checkpoint_in_model_layout(folder: Path, config) -> Path:
-    """The folder to read a checkpoint's tensors from, one by one, under the model's own tensor names.
-
-    Most checkpoints store the model's names. Some store another layout that
-    transformers converts while loading (per-expert tensors merged into one per
-    layer for Mixtral and the Qwen MoEs, GPT-NeoX's ``embed_out`` renamed): those
-    are loaded once by transformers' own ``from_pretrained``, so every conversion it
-    knows is applied as it applies it, and written in the model's layout to
-    ``$LITFT_HOME/converted``, which every rank and later run then reads.
-    """
-    model = skeleton(config, torch.float32)
-    # Every stored tensor once, under any of its names (tied embeddings are one tensor with two), as the fill knows them.
-    walk = Materializer(model, model, None, 0)
-    stored_groups = [names for names, ((module, kind, attr), *_) in zip(walk.names, walk.owners)
-                     if kind == "_parameters" or attr not in module._non_persistent_buffers_set]
-    stored = CheckpointWeights(folder)
-    missing = [group[0] for group in stored_groups if stored.find(group) is None]
-    if not missing:
-        return folder
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
-    renames = {n for t in get_model_conversion_mapping(model) for n in getattr(t, "source_patterns", [])}
-    if not renames:
-        return folder  # not a layout transformers converts: the fill names the first missing tensor
-    from litft.data.base import litft_home
-
-    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
-    stamp = hashlib.sha1(json.dumps([str(folder.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]).encode())
-    target = litft_home() / "converted" / stamp.hexdigest()[:16]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process converts; the others of this machine wait and read its result
-        if not (target / "done").is_file():
-            from huggingface_hub import save_torch_state_dict
-
-            try:
-                loaded, info = AutoModelForCausalLM.from_pretrained(folder, dtype="auto", output_loading_info=True)
-            except (RuntimeError, ValueError, OSError) as err:
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-                raise LitftError(f"the checkpoint in {folder} has no tensor for {missing[0]}, and transformers cannot convert it "
-                                 f"from the layout it stores ({first}); it does not match this model's config") from None
-            # from_pretrained fills what the checkpoint lacks with random values; a training run must not start from them.
-            lacking = [k for k in info.get("missing_keys", []) if k in {n for group in stored_groups for n in group}]
-            if lacking or info.get("mismatched_keys"):
-                raise LitftError(f"the checkpoint in {folder} has no tensor for {(lacking or info['mismatched_keys'])[0]} even in the layout "
-                                 "transformers converts it from; it does not match this model's config")
-            staging = target.with_suffix(".partial")
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir()
-            kept, seen = {}, set()
-            for name, tensor in loaded.state_dict().items():  # a tied tensor under its first name (the input embedding)
-                if tensor.data_ptr() not in seen:
-                    seen.add(tensor.data_ptr())
-                    kept[name] = tensor
-            save_torch_state_dict(kept, staging)
-            (staging / "done").write_text(str(folder))
-            shutil.rmtree(target, ignore_errors=True)
-            staging.rename(target)  # whole or absent: a crash mid-write leaves only the staging folder
-            del loaded
-    return target
 
 
 def per_head_tensors(model: nn.Module) -> List[str]:

@@ -180,14 +180,15 @@ def as_litft_builds_it(folder, dtype=torch.float32, device="cpu"):
     from litft.experts import use_grouped_experts
     from litft.loss import fuse_target_loss
     from litft.model import CausalLM, check_architecture, load_config
-    from litft.weights import CheckpointWeights, Materializer, checkpoint_in_model_layout, skeleton, transformer_blocks
+    from litft.hub_layout import model_layout_weights
+    from litft.weights import Materializer, skeleton, transformer_blocks
 
     config = load_config(str(folder))
     check_architecture(config)
     model = skeleton(config, dtype)
     model.set_attn_implementation(SEGMENTS)
     use_grouped_experts(model)
-    fill = Materializer(model, model, CheckpointWeights(checkpoint_in_model_layout(folder, config)), 0)
+    fill = Materializer(model, model, model_layout_weights(folder, config), 0)
     for block in reversed(transformer_blocks(model)):
         fill(block)
     fill(model)

@@ -26,7 +26,8 @@ from litft.errors import LitftError
 from litft.config import LoraArgs
 from litft.lora import expert_lora_config
 from litft.model import load_config, load_tokenizer, resolve_model
-from litft.weights import CheckpointWeights, checkpoint_in_model_layout, locate_checkpoint, skeleton, transformer_blocks
+from litft.hub_layout import model_layout_weights
+from litft.weights import locate_checkpoint, skeleton, transformer_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -160,7 +161,7 @@ def _write_model(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict
     config = load_config(source)
     out_dtype = DTYPES[dtype] if dtype else next(iter(trained.shapes.values()))[1]
     # Frozen base weights come from the model the run started from (LoRA; a full run trains them all).
-    base = CheckpointWeights(checkpoint_in_model_layout(locate_checkpoint(source), config)) if lora else None
+    base = model_layout_weights(locate_checkpoint(source), config) if lora else None
     scale = run_config["lora_alpha"] / run_config["lora_r"] if lora else 0.0
     prefix = "base_model.model." if lora else ""
     model = skeleton(config, out_dtype)

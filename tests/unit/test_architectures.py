@@ -283,6 +283,6 @@ def test_a_checkpoint_missing_a_tensor_is_refused_in_one_line(folders, tmp_path)
         tensors = load_file(broken / "model.safetensors")
         del tensors[dropped]
         save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-        with pytest.raises(LitftError, match="has no tensor for model.layers.0.mlp") as refusal:
+        with pytest.raises(LitftError, match="has no tensor for model.layers.0.mlp|holds 3 tensors for model.layers.0.mlp") as refusal:
             as_litft_builds_it(broken)
         assert "\n" not in str(refusal.value)
