@@ -26,13 +26,13 @@ from litft.model import CausalLM, load_config
 from litft.parallel.strategies import strategy_class
 from litft.weights import Materializer, skeleton
 
-try:
-    from litft.hub_layout import model_layout_weights
-except ImportError:  # a litft before streamed conversion: the whole model converted once, to disk
-    from litft.weights import CheckpointWeights, checkpoint_in_model_layout
+from litft import weights
 
+if hasattr(weights, "checkpoint_in_model_layout"):  # a litft before streamed conversion: the whole model converted once, to disk
     def model_layout_weights(folder, config):
-        return CheckpointWeights(checkpoint_in_model_layout(folder, config))
+        return weights.CheckpointWeights(weights.checkpoint_in_model_layout(folder, config))
+else:
+    from litft.hub_layout import model_layout_weights
 
 
 def disk_mb(folder: Path) -> float:

@@ -74,3 +74,28 @@ def test_checkpoint_of_another_model_is_refused(tiny_dir, tmp_path):
         Materializer(model, model, CheckpointWeights(tiny_dir), 0)(model)
     with pytest.raises(LitftError, match="no model.safetensors"):
         CheckpointWeights(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-neox"])
+def test_a_hub_layout_checkpoint_is_converted_while_read_one_group_at_a_time(name, tmp_path, monkeypatch):
+    """Per-expert tensors stacked per layer (Qwen3-MoE) and a renamed head (GPT-NeoX): every tensor equals what
+    transformers' from_pretrained makes of the checkpoint, at most one converted group is held, and nothing is written."""
+    from transformers import AutoModelForCausalLM
+
+    from litft.hub_layout import HubLayoutWeights, model_layout_weights
+    from tests.architectures import ARCHITECTURES, save_tiny
+
+    monkeypatch.setenv("LITFT_HOME", str(tmp_path / "home"))
+    folder = save_tiny(next(a for a in ARCHITECTURES if a.name == name), tmp_path / "model")
+    weights = model_layout_weights(folder, load_config(str(folder)))
+    assert isinstance(weights, HubLayoutWeights)
+    expected = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    held = 0
+    for key, tensor in expected.items():
+        found = weights.find([key])
+        if found is None:  # tied to a tensor read under its other name, or a buffer the model computes
+            continue
+        torch.testing.assert_close(weights.get(found), tensor, rtol=0, atol=0, msg=key)
+        held = max(held, len(weights.converted))
+    assert held <= 3  # one group: a layer's gate_up_proj and down_proj, or one renamed tensor
+    assert not (tmp_path / "home" / "converted").exists()
