@@ -25,11 +25,16 @@ COMMON = [
 JOBS = {
     "lora-dpo": ("finetune_lora", ["--objective", "dpo", "--lora_r", "4", "--lora_dropout", "0", "--export", "merged"]),
     "full-dpo": ("finetune_full", ["--objective", "dpo"]),  # the reference scored before training
+    "moe-dpo": ("finetune_full", ["--objective", "dpo"]),
 }
+MODELS = {"moe-dpo": ["litft-tiny-moe"]}  # the model, given before the flags; litft-tiny otherwise
 TWO = ["--devices", "2", "--train.micro_batch_size", "2"]
 CASES = {
     "zero3-lora-dpo": ("lora-dpo", ["--strategy", "deepspeed", "--deepspeed.stage", "3", *TWO]),
     "zero2-full-dpo": ("full-dpo", ["--strategy", "deepspeed", "--deepspeed.stage", "2", *TWO]),
+    # Experts under context parallel: both ranks of the group route their slice of every pair (the router's balance loss
+    # is off in litft-tiny-moe, as in most MoE configs; under CP it is each slice's share, not exact: docs/parallelism.md).
+    "cp2-moe-dpo": ("moe-dpo", ["--strategy", "fsdp", "--context_parallel", "2", *TWO]),
 }
 FIGURES = ("preference_accuracy", "reward_margin", "logp_chosen")
 
@@ -40,9 +45,9 @@ def runs(tmp_path_factory):
     resumed: two batches of long-lived processes (tests/batch.py)."""
     batch = Batch(tmp_path_factory.mktemp("preference"))
     for name, (job, flags) in JOBS.items():
-        batch.add(f"single-{name}", 1, job, *COMMON, *flags, "--train.micro_batch_size", "4")
+        batch.add(f"single-{name}", 1, job, *MODELS.get(name, []), *COMMON, *flags, "--train.micro_batch_size", "4")
     for case, (name, flags) in CASES.items():
-        batch.add(case, 2, JOBS[name][0], *COMMON, *JOBS[name][1], *flags)
+        batch.add(case, 2, JOBS[name][0], *MODELS.get(name, []), *COMMON, *JOBS[name][1], *flags)
     job, flags = JOBS["full-dpo"]
     flags = [*COMMON, *flags, "--strategy", "ddp", *TWO]
     stopped = batch.add("ddp-stopped", 2, job, *flags, "--train.stop_after_steps", "1")
@@ -56,7 +61,9 @@ def single(runs):
 
 
 def figures(run):
-    return [r[key] for key in FIGURES for r in read_metrics(run) if "loss" in r]
+    """The logged figures, but the first step's accuracy: there the policy is its own reference, every margin is 0 up to
+    rounding, and which side of 0 a sum in another order lands on is noise."""
+    return [r[key] for key in FIGURES for r in read_metrics(run) if "loss" in r and (key != "preference_accuracy" or r["step"] > 1)]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -65,7 +72,7 @@ def test_sharded_preference_runs_match_one_process(case, runs, single):
     reference, tmp_path = single(name), runs.out(case)
     expected, got = step_losses(reference), step_losses(tmp_path)
     assert len(got) == len(expected) == 3 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
-    assert figures(tmp_path) == pytest.approx(figures(reference), rel=1e-4, abs=1e-6) and len(figures(reference)) == 9
+    assert figures(tmp_path) == pytest.approx(figures(reference), rel=1e-4, abs=1e-6) and len(figures(reference)) == 8
     val = lambda run: [r["val_preference_accuracy"] for r in read_metrics(run) if "val_preference_accuracy" in r]  # noqa: E731
     assert val(tmp_path) == val(reference) and len(val(reference)) == 1
     ours, theirs = load_file(tmp_path / "final" / "model.safetensors"), load_file(reference / "final" / "model.safetensors")
