@@ -1,4 +1,4 @@
-"""GRPO under every strategy against one process, and stopped inside a cycle of iterations then resumed.
+"""GRPO under every strategy (expert parallel included) against one process, and stopped inside a cycle of iterations then resumed.
 
 Rollouts depend on (seed, epoch, cycle, prompt, generation batch) and never on the rank layout, so two
 ranks sample the completions one process samples (here two prompts' groups at a time, left-padded into one
@@ -20,12 +20,14 @@ COMMON = [
     "--train.global_batch_size", "4", "--train.max_steps", "4", "--train.learning_rate", "3e-3", "--train.warmup_steps", "1",
     "--eval.interval", "4", "--eval.initial_validation", "false", "--precision", "32-true", "--accelerator", "cpu", "--logger_name", "csv",
 ]
-JOBS = {"lora": ["finetune_lora", "--lora_r", "4", "--lora_dropout", "0"], "full": ["finetune_full"]}
+JOBS = {"lora": ["finetune_lora", "--lora_r", "4", "--lora_dropout", "0"], "full": ["finetune_full"], "moe": ["finetune_full", "litft-tiny-moe"]}
 TWO = ["--devices", "2", "--train.micro_batch_size", "4"]  # each rank: 2 prompts, 8 completions in 2 micro-batches
 CASES = {
     "fsdp-full": ("full", ["--strategy", "fsdp", *TWO]),
     "zero3-lora": ("lora", ["--strategy", "deepspeed", "--deepspeed.stage", "3", *TWO]),
     "ddp-lora-resumed": ("lora", None),  # stopped after step 1 of a 2-step cycle, resumed
+    # Each rank holds half the experts: generate's forwards send tokens through the dispatch, every rank stepping in turn.
+    "fsdp-ep-moe": ("moe", ["--strategy", "fsdp", "--expert_parallel", "2", *TWO]),
 }
 
 
