@@ -49,7 +49,7 @@ def build_model(
     the frozen base's layers do; their names are kept as ``model.fp8_layers``.
     """
     quantize = lora.quantize if lora is not None else None
-    quantization = quantization_config(quantize, compute_dtype(precision))
+    quantization = quantization_config(quantize, compute_dtype(precision), config)
     dtype = dtype or param_dtype(precision)
     base_dtype = frozen_dtype if lora is not None and frozen_dtype is not None else dtype
     if quantize is not None and source is not None:

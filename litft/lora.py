@@ -18,16 +18,34 @@ from litft.experts import is_experts
 from litft.recurrent import carries_state
 
 
-def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype) -> Optional[BitsAndBytesConfig]:
-    """transformers' bitsandbytes config for ``--quantize`` (4-bit base weights for QLoRA)."""
+def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype, config=None) -> Optional[BitsAndBytesConfig]:
+    """transformers' bitsandbytes config for ``--quantize`` (4-bit base weights for QLoRA). Where Mamba mixers' fused
+    kernels read ``out_proj.weight`` as a matrix, those layers stay unquantized, beside transformers' own exceptions."""
     if quantize is None:
         return None
     if quantize not in QUANTIZE_CHOICES:
         raise LitftError(f"--quantize {quantize} is unknown; choose one of {', '.join(QUANTIZE_CHOICES)}")
     kind, _, double = quantize.removeprefix("bnb.").partition("-")
+    skip = None
+    if config is not None and carries_state(config):
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        from litft.weights import skeleton
+
+        model = skeleton(config, torch.float32)
+        skip = sorted(set(get_keys_to_not_convert(model)) | set(read_past_adapters(model))) or None
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=bool(double), bnb_4bit_compute_dtype=compute_dtype,
+        llm_int8_skip_modules=skip,
     )
+
+
+def read_past_adapters(model) -> list:
+    """The Mamba mixers' output projections: mamba-ssm's fused kernels take ``out_proj.weight`` directly, past any adapter
+    or 4-bit layout (peft refuses LoRA on them for Falcon-H1, Mamba, Mamba2 and Nemotron-H)."""
+    mixers = {name for name, module in model.named_modules() if "Mamba" in type(module).__name__ or type(module).__name__.endswith("Mixer")}
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and name.rpartition(".")[0] in mixers
+            and name.endswith("out_proj")]
 
 
 def peft_config(lora: LoraArgs, model):
@@ -40,14 +58,12 @@ def peft_config(lora: LoraArgs, model):
 
 
 def resolved_targets(lora: LoraArgs, model):
-    """``all-linear`` without the output projection of Mamba mixers, whose CUDA kernels (mamba-ssm) read ``out_proj.weight``
-    directly, past any adapter; peft refuses it for some of these models and would let others lose the adapter on a GPU."""
+    """``all-linear`` without what Mamba kernels read past an adapter (:func:`read_past_adapters`): peft refuses those layers
+    for some of these models and would let others lose the adapter on a GPU."""
     if lora.targets != "all-linear" or not carries_state(model.config):
         return lora.targets
-    head = model.get_output_embeddings()
-    mixers = {name for name, module in model.named_modules() if "Mamba" in type(module).__name__ or type(module).__name__.endswith("Mixer")}
-    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head
-            and not (name.rpartition(".")[0] in mixers and name.endswith("out_proj"))]
+    head, left_out = model.get_output_embeddings(), set(read_past_adapters(model))
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head and name not in left_out]
 
 
 @contextlib.contextmanager

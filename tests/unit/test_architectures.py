@@ -80,6 +80,24 @@ def test_lora_all_linear_leaves_out_what_mamba_kernels_read_past_an_adapter():
     assert resolved_targets(LoraArgs(), llama) == "all-linear"
 
 
+def test_qlora_keeps_mamba_output_projections_out_of_4_bits(folders, tmp_path):
+    """Falcon-H1 under QLoRA at default flags: the mixers' out_proj (read by mamba-ssm as a matrix) and the head stay in the
+    compute dtype, every other linear layer is 4-bit, and two steps train."""
+    from litft.config import EvalArgs, TrainArgs
+    from litft.data import TinyTasks
+    from litft.jobs import JOBS
+
+    result = JOBS["finetune_lora"](str(folders["falcon-h1"]), out_dir=tmp_path / "run", quantize="bnb.nf4",
+                                   data=TinyTasks(num_train=16, num_val=4), precision="bf16-true", accelerator="cpu", logger_name="csv",
+                                   train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=2, save_interval=None),
+                                   eval=EvalArgs(interval=10**6, initial_validation=False))
+    kinds = {name: type(m.base_layer if hasattr(m, "base_layer") else m).__name__ for name, m in result.model.named_modules()
+             if name.endswith(("out_proj", "in_proj", "lm_head"))}
+    assert {k for k, v in kinds.items() if v == "Linear4bit"} == {k for k in kinds if k.endswith("in_proj")} and kinds
+    assert all(v == "Linear" for k, v in kinds.items() if not k.endswith("in_proj"))
+    assert all(h["loss"] > 0 for h in result.history if "loss" in h)
+
+
 def test_a_preference_pair_puts_each_answer_on_its_own_row(folders):
     """A pair's chosen and rejected answers share a sample; on padded rows each gets a row, so Mamba scores the rejected one
     from its initial state: its log-probs equal the answer's alone."""
