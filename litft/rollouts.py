@@ -231,7 +231,7 @@ class RolloutBatches:
                              "rewards": {name: scores[k] for name, scores in by_function.items()}, "reward": float(rewards[g, j]),
                              "advantage": float(advantages[g, j])})
                 k += 1
-        everyone = gather(fabric, rows)
+        everyone = gather(fabric, rows)[:: self.place.shared]  # a tensor-parallel group's ranks sampled the same rollouts
         if fabric.is_global_zero:
             folder = self.trainer.spec.out_dir / "rollouts"
             folder.mkdir(parents=True, exist_ok=True)

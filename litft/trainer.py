@@ -100,9 +100,9 @@ class Trainer:
         precision = resolve_precision(spec.precision, accelerator)
         chosen = checked_strategy_class(layout, accelerator, precision)
         attention = choose_attention(spec.attn_implementation, accelerator, precision, layout.context_parallel)
-        if spec.objective.rl and max(layout.context_parallel, layout.tensor_parallel) > 1:
+        if spec.objective.rl and layout.context_parallel > 1:
             raise LitftError(f"--objective {spec.objective.name} samples completions with transformers' generate, which litft does not yet "
-                             "run split by --context_parallel or --tensor_parallel; drop them (FSDP and ZeRO-3 shard it, expert parallel deals its experts)")
+                             "run with the sequence split by --context_parallel; drop it (FSDP, ZeRO-3, tensor and expert parallel split the model)")
         compiling = choose_compile(spec.compile, accelerator, chosen.compiles, chosen.name, quantize=spec.lora.quantize if spec.lora else None,
                                    context_parallel=layout.context_parallel, tensor_parallel=layout.tensor_parallel,
                                    expert_parallel=layout.expert_parallel, generates=spec.objective.rl)

@@ -1,4 +1,4 @@
-"""GRPO under every strategy (expert parallel included) against one process, and stopped inside a cycle of iterations then resumed.
+"""GRPO under every strategy (expert and tensor parallel included) against one process, and stopped inside a cycle of iterations then resumed.
 
 Rollouts depend on (seed, epoch, cycle, prompt, generation batch) and never on the rank layout, so two
 ranks sample the completions one process samples (here two prompts' groups at a time, left-padded into one
@@ -28,6 +28,8 @@ CASES = {
     "ddp-lora-resumed": ("lora", None),  # stopped after step 1 of a 2-step cycle, resumed
     # Each rank holds half the experts: generate's forwards send tokens through the dispatch, every rank stepping in turn.
     "fsdp-ep-moe": ("moe", ["--strategy", "fsdp", "--expert_parallel", "2", *TWO]),
+    # Both ranks of the tensor-parallel group sample the same rollouts with their halves of every layer; the file keeps one copy.
+    "fsdp-tp-full": ("full", ["--strategy", "fsdp", "--tensor_parallel", "2", *TWO]),
 }
 
 
