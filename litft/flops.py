@@ -44,6 +44,7 @@ import torch
 
 from litft.errors import LitftError
 from litft.peaks import peak_flops
+from litft.recurrent import carries_state, state_layers
 
 # Model types whose MLP is gated (three matmuls). Phi-3 fuses gate and up into one
 # matmul of twice the width, which is the same count.
@@ -100,6 +101,9 @@ def model_shape(config, gated: Optional[bool] = None) -> ModelShape:
     """
     if not isinstance(config, dict) and hasattr(config, "get_text_config"):
         config = config.get_text_config()  # multimodal configs keep the language model in a sub-config
+    if not isinstance(config, dict) and carries_state(config):
+        raise LitftError(f"{config.model_type}'s state-carrying layers ({state_layers(config)[0]}) are not counted yet, and attention's "
+                         "count for every layer would overstate them")
     try:
         hidden = int(_get(config, "hidden_size"))
         layers = int(_get(config, "num_hidden_layers"))

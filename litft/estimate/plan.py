@@ -78,7 +78,10 @@ def objective_of(flags: dict) -> ObjectiveArgs:
 
 def experts_facts(config, tensors, size: int, tokens: int, itemsize: int, seq_len: int) -> Optional[dict]:
     """A MoE model's experts as the estimate shows them: a rank's share, the tokens' dispatch buffers, the active FLOPs."""
-    shape = model_shape(config)
+    try:
+        shape = model_shape(config)
+    except LitftError:  # layers whose FLOPs are not counted (state-carrying): no summary line, the tensors are still counted
+        return None
     if not shape.router:
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -304,3 +304,15 @@ def test_a_checkpoint_missing_a_tensor_is_refused_in_one_line(folders, tmp_path)
         with pytest.raises(LitftError, match="has no tensor for model.layers.0.mlp|holds 3 tensors for model.layers.0.mlp") as refusal:
             as_litft_builds_it(broken)
         assert "\n" not in str(refusal.value)
+
+
+def test_state_carrying_models_get_an_estimate_and_no_mfu(folders, capsys):
+    """Their layers' FLOPs are not counted yet: the run says so instead of an MFU that counts attention in every layer, and
+    the estimate still counts their memory."""
+    from litft.__main__ import main
+    from litft.flops import StepFlops
+
+    assert StepFlops.for_run(load_config(str(folders["qwen3-next"])), None, "32-true", torch.device("cpu"), say=print) is None
+    assert "no MFU for this run: qwen3_next's state-carrying layers" in capsys.readouterr().out
+    main(["estimate", str(folders["qwen3-next"]), "--job", "finetune_lora", "--seq_len", "32"])
+    assert "peak" in capsys.readouterr().out
