@@ -180,11 +180,13 @@ class Materializer:
             getattr(module, kind)[attr] = value
             fresh.append((key, template, value))
         if any(key is None for key, _, _ in fresh):
-            derived = [value for (kind, attr, _), (key, _, value) in zip(slots, fresh) if kind == "_buffers" and key is None]
+            # Computed buffers start as NaN, so that one the module's own init leaves unset can be told apart.
+            derived = [value for (kind, _, _), (key, _, value) in zip(slots, fresh)
+                       if kind == "_buffers" and key is None and value.is_floating_point() and value.numel()]
             for value in derived:
                 value.fill_(math.nan)
             self.initialize(name, module, [value for key, _, value in fresh if key is None])
-            self.derive_from_ancestors(module_name, [value for value in derived if value.is_floating_point() and value.isnan().all()])
+            self.derive_from_ancestors(module_name, [value for value in derived if value.isnan().all()])
             for key, template, value in fresh:
                 if key is not None:  # the module's init also touched these; the checkpoint wins
                     value.data.copy_(self._read(key, template))
