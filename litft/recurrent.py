@@ -7,9 +7,9 @@ so every sample starts from the layer's initial state and its padding comes afte
 it, where nothing that carries loss reads it. The packed rows of attention-only
 models stay as they are. Which model types take this path was checked against
 transformers' own forward (tests/architectures.py); others that carry state are
-refused in one line. Packing with per-sample boundaries is not used even where the
-CUDA kernels take them: transformers 5.24 gives Qwen3-Next's gated delta rule its
-``cu_seq_lens`` but not the short convolution before it, which would still mix samples.
+refused in one line. Packing with per-sample boundaries is not used yet, even where
+the CUDA kernels take them: each kind of layer takes its own (the gated delta rule
+``cu_seq_lens``, causal-conv1d ``seq_idx``, the PyTorch paths none), unchecked on a GPU.
 """
 
 import importlib.util
