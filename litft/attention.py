@@ -190,11 +190,11 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
         if beyond or (attention_mask is None and window is not None):
             return _eager_with_mask(module, query, key, value, attention_mask, dropout, scaling, kwargs)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    cu = kwargs.get("cu_seq_lens_q")
+    cu = kwargs.get("cu_seq_lens_q", kwargs.get("litft_cu"))  # litft_cu: rows of one sequence each (litft.recurrent)
     bounds = kwargs.get("litft_bounds")
     if cu is None:
         position_ids = kwargs.get("position_ids")
-        if position_ids is None or kwargs.get("litft_whole_rows"):  # every row one sample (its padding after it)
+        if position_ids is None:  # every row one sample
             bounds = tuple(range(0, query.shape[0] * query.shape[2] + 1, query.shape[2]))
             cu = torch.tensor(bounds, dtype=torch.int32)
         else:
@@ -207,7 +207,7 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
     dropout = dropout if module.training else 0.0
     batch, heads, width, dim = query.shape
     # Collate computed the longest sample on the host; reading it here would stall the GPU once per layer.
-    longest = kwargs.get("max_length_q") or int(torch.diff(cu).max())
+    longest = kwargs.get("max_length_q") or kwargs.get("litft_longest") or int(torch.diff(cu).max())
     if window is not None and window >= longest:
         window = None  # no sample is longer than the window: plain causal attention is the same
     if beyond:

@@ -101,7 +101,8 @@ class ExpertLoad:
     read per step); the loop reads and clears it at log steps. A layer's imbalance is its
     busiest expert's tokens over the mean (1.0: even), which does not change when every
     count is multiplied alike: ranks of a tensor-parallel group that count the same
-    tokens, or a block recomputed by activation checkpointing, leave it as it is.
+    tokens leave it as it is. A block recomputed by activation checkpointing is not
+    counted again, and padding (collate's padded rows) is not counted at all.
     """
 
     def __init__(self, layers: List[torch.nn.Module]):
@@ -118,7 +119,7 @@ class ExpertLoad:
 
     def _counter(self, position: int):
         def count(module, args, kwargs):
-            if not module.training:
+            if not module.training or in_backward():  # activation checkpointing's recompute runs the hook again, without the mask
                 return
             index = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
             if index is None:
@@ -154,6 +155,11 @@ def count_per_expert(expert_ids: torch.Tensor, experts: int, counted: Optional[t
     ids = expert_ids.long()
     ones = torch.ones_like(ids) if counted is None else counted.long()
     return torch.zeros(experts, dtype=torch.long, device=ids.device).scatter_add_(0, ids, ones)
+
+
+def in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 COUNTED = threading.local()  # .tokens: the micro-batch's tokens that are not padding (rows x width, bool), during its forward

@@ -40,12 +40,17 @@ def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype, con
     )
 
 
+# Linear layers of a Mamba mixer whose weight the mixer reads as a plain matrix: mamba-ssm's fused kernels take out_proj's (and
+# Mamba1's x_proj's and dt_proj's), and Mamba1's PyTorch path multiplies by dt_proj.weight itself.
+READ_AS_MATRIX = ("out_proj", "x_proj", "dt_proj")
+
+
 def read_past_adapters(model) -> list:
-    """The Mamba mixers' output projections: mamba-ssm's fused kernels take ``out_proj.weight`` directly, past any adapter
-    or 4-bit layout (peft refuses LoRA on them for Falcon-H1, Mamba, Mamba2 and Nemotron-H)."""
+    """The Mamba mixers' layers read past any adapter or 4-bit layout (peft refuses LoRA on out_proj for Falcon-H1, Mamba,
+    Mamba2 and Nemotron-H; an adapter on Mamba1's dt_proj would get no gradient at all)."""
     mixers = {name for name, module in model.named_modules() if "Mamba" in type(module).__name__ or type(module).__name__.endswith("Mixer")}
     return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and name.rpartition(".")[0] in mixers
-            and name.endswith("out_proj")]
+            and name.rpartition(".")[2] in READ_AS_MATRIX]
 
 
 def peft_config(lora: LoraArgs, model):

@@ -180,9 +180,12 @@ class CausalLM(torch.nn.Module):
         # Where each sample of a row starts, for attention that keeps them apart (litft.attention).
         implementation = self.hf_model.config._attn_implementation
         extra = varlen if varlen is not None and implementation in PACKED_SAFE else {}
-        if extra and self.whole_rows:
-            # Rows of one sample each (litft.recurrent): transformers' state layers would read cu_seq_lens as packed samples.
-            extra = {"litft_whole_rows": True}
+        if self.whole_rows and varlen is not None:
+            # A sequence per padded row (litft.recurrent): its positions are 0..width-1, as transformers makes them without ids
+            # (so nothing scans them), and the row bounds go to litft's attention under its own keys: transformers' state
+            # layers would read cu_seq_lens as packed samples.
+            position_ids = None
+            extra = {"litft_cu": varlen["cu_seq_lens_q"], "litft_longest": varlen["max_length_q"], "litft_bounds": varlen["litft_bounds"]}
         if implementation != SEGMENTS:
             extra = {key: value for key, value in extra.items() if not key.startswith("litft_")}
         with packed_rows_known() if extra else contextlib.nullcontext():

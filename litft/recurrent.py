@@ -56,7 +56,7 @@ def check_recurrent(config) -> None:
     layers = state_layers(config)
     if layers and text.model_type not in CHECKED:
         raise LitftError(
-            f"litft cannot train {text.model_type} models yet: their {layers[0]} layers carry state from token to token and litft's "
+            f"litft cannot train {text.model_type} models yet: their layers carry state from token to token ({layers[0]}) and litft's "
             "padded rows for them are not yet checked against transformers for this model type; use transformers' Trainer for it"
         )
 
@@ -66,8 +66,8 @@ def refuse_split(config, flag: str) -> None:
     layers = state_layers(config)
     if layers:
         raise LitftError(
-            f"{flag} cannot split {text_config(config).model_type}'s {layers[0]} layers, which carry state along the whole "
-            f"sequence; drop {flag} (FSDP and DeepSpeed shard these models)"
+            f"{flag} cannot split {text_config(config).model_type}'s layers that carry state along the whole sequence "
+            f"({layers[0]}); drop {flag} (FSDP and DeepSpeed shard these models)"
         )
 
 
@@ -80,5 +80,5 @@ def describe(config) -> str:
     kernels = installed_kernels()
     found = (f"{', '.join(kernels)} installed (transformers runs them on a GPU)" if kernels
              else "PyTorch reference path (mamba-ssm, causal-conv1d, flash-linear-attention not installed)")
-    return (f"rows: one sample per right-padded row, since {text_config(config).model_type}'s {state_layers(config)[0]} layers carry "
-            f"state from token to token; recurrent kernels: {found}")
+    return (f"rows: one sample per right-padded row, since {text_config(config).model_type}'s layers carry state from token to token "
+            f"({state_layers(config)[0]}); recurrent kernels: {found}")

@@ -110,6 +110,9 @@ class Trainer:
                   tensor_parallel=layout.tensor_parallel)
         config = load_config(resolve_model(spec.model))  # the model's description, read once: every check and the build take it
         check_architecture(config)  # before any process starts
+        if carries_state(config) and getattr(spec.data, "packing", False):
+            raise LitftError(f"--data.packing puts several samples in one row, and {config.model_type}'s state-carrying layers would carry "
+                             "one sample's state into the next; drop --data.packing (litft trains these models a sample per padded row)")
         if layout.context_parallel > 1:
             check_context_parallel(config, layout.context_parallel)
         if layout.expert_parallel > 1:

@@ -199,6 +199,7 @@ class Materializer:
         with torch.random.fork_rng(devices=[]):
             while unset and parts:
                 parts.pop()
+                torch.manual_seed(seed_for(self.seed, checkpoint_name(".".join(parts))))  # any draw it makes: a function of the name
                 self.hf_model._init_weights(self.root.get_submodule(".".join(parts)))
                 unset = [value for value in unset if value.isnan().all()]
 

@@ -7,7 +7,7 @@ import torch
 from litft.data.samples import IGNORE_INDEX, Sample
 
 def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> Dict[str, torch.Tensor]:
-    """One micro-batch: its samples end to end in one row (``padding_free``), or right-padded rows, one per sequence.
+    """One micro-batch: its samples end to end in one row (``padding_free``), or right-padded rows (a pair's answers apart).
 
     Every batch carries position ids and no attention mask. A padding-free row's
     positions restart at every sample and its attention keeps the samples apart
@@ -26,9 +26,9 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
         labels = torch.cat(labels)[None]
         position_ids = torch.cat([s.get("position_ids", torch.arange(len(s["input_ids"]))) for s in samples])[None]
     else:
-        # A row per sequence: a preference pair's chosen and rejected answers get a row each, so no layer that carries
-        # state (litft.recurrent) reads one into the other, and attention needs no block-diagonal mask.
-        pieces = [piece for s in samples for piece in sequences_of(s)]
+        # A preference pair's chosen and rejected answers get a row each, so no layer that carries state (litft.recurrent)
+        # reads one into the other and attention needs no block-diagonal mask; a packed row stays one row.
+        pieces = [piece for s in samples for piece in (sequences_of(s) if "rejected_start" in s else [whole(s)])]
         width = max(len(ids) for ids, _, _ in pieces)
         input_ids = torch.full((len(pieces), width), pad_id, dtype=torch.long)
         labels = torch.full((len(pieces), width), IGNORE_INDEX, dtype=torch.long)
@@ -53,6 +53,10 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
         if "reference" in samples[0]:  # log-probs of the reference model, scored before training
             batch["reference"] = torch.stack([s["reference"] for s in samples])
     return batch
+
+
+def whole(sample: Sample) -> tuple:
+    return sample["input_ids"], sample["labels"], sample.get("position_ids", torch.arange(len(sample["input_ids"])))
 
 
 def sequences_of(sample: Sample) -> List[tuple]:

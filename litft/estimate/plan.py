@@ -11,7 +11,8 @@ from litft.errors import LitftError
 from litft.estimate.inventory import model_tensors
 from litft.estimate.states import memory_layout
 from litft.estimate.trace import trace_activations
-from litft.flops import flops_per_token, model_shape
+from litft.flops import flops_per_token
+from litft.recurrent import carries_state
 from litft.logs import quiet_libraries
 from litft.memory import GiB, Row
 from litft.model import check_architecture, load_config, resolve_model
@@ -78,21 +79,20 @@ def objective_of(flags: dict) -> ObjectiveArgs:
 
 def experts_facts(config, tensors, size: int, tokens: int, itemsize: int, seq_len: int) -> Optional[dict]:
     """A MoE model's experts as the estimate shows them: a rank's share, the tokens' dispatch buffers, the active FLOPs."""
-    try:
-        shape = model_shape(config)
-    except LitftError:  # layers whose FLOPs are not counted (state-carrying): no summary line, the tensors are still counted
-        return None
-    if not shape.router:
-        return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    router = max(getattr(text, name, 0) or 0 for name in ("num_local_experts", "num_experts", "n_routed_experts"))
+    if router <= 1:
+        return None
     top_k = int(getattr(text, "num_experts_per_tok", None) or getattr(text, "num_experts_per_token", 1))
     every = sum(t.numel for t in tensors)
     experts = sum(t.numel for t in tensors if is_expert_tensor(t.name))
     return {
-        "per_layer": shape.router, "per_rank": shape.router // size, "top_k": top_k,
+        "per_layer": router, "per_rank": router // size, "top_k": top_k,
         # Sent and received: every (token, expert) row of the layer leaves and arrives (balanced routing), then returns.
         "dispatch_bytes": 2 * tokens * top_k * text.hidden_size * itemsize,
-        "flops_per_token": flops_per_token(config, seq_len), "active_parameters": int(every - experts * (1 - top_k / shape.router)),
+        # Layers that carry state have no FLOPs count yet (litft.flops): no figure rather than attention's in every layer.
+        "flops_per_token": None if carries_state(config) else flops_per_token(config, seq_len),
+        "active_parameters": int(every - experts * (1 - top_k / router)),
     }
 
 
@@ -233,8 +233,9 @@ def render(plan: dict) -> str:
         f"activation checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, {plan['attention']} attention",
         *([f"experts: {e['per_rank']} of {e['per_layer']} per MoE layer on each rank"
            + (f" (dealt out over {plan['expert_parallel']} ranks)" if plan["expert_parallel"] > 1 else "")
-           + f", {e['top_k']} per token; {_count(e['active_parameters'])} active parameters per token, "
-           f"{e['flops_per_token'] / 1e9:.2f} GFLOPs per token trained (forward and backward)" for e in [plan.get("experts")] if e]),
+           + f", {e['top_k']} per token; {_count(e['active_parameters'])} active parameters per token"
+           + ("" if e["flops_per_token"] is None else f", {e['flops_per_token'] / 1e9:.2f} GFLOPs per token trained (forward and backward)")
+           for e in [plan.get("experts")] if e]),
         *([f"objective {plan['objective']}: {plan['micro_batch_size']} pairs per micro-batch (two sequences each); reference: {plan['reference']}"]
           if plan.get("objective", "sft") not in ("sft", "grpo") else []),
         *([f"objective grpo: {plan['micro_batch_size']} completions per micro-batch, each prompt plus completion up to {plan['seq_len']} "

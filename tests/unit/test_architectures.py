@@ -76,6 +76,8 @@ def test_lora_all_linear_leaves_out_what_mamba_kernels_read_past_an_adapter():
     targets = resolved_targets(LoraArgs(), model)
     assert "model.layers.0.mamba.in_proj" in targets and "model.layers.0.self_attn.o_proj" in targets
     assert not any(t.endswith("mamba.out_proj") or t == "lm_head" for t in targets)
+    mamba = resolved_targets(LoraArgs(), skeleton(next(a for a in ARCHITECTURES if a.name == "mamba").build(), torch.float32))
+    assert {t.rpartition(".")[2] for t in mamba} == {"in_proj"}  # Mamba1 reads x_proj and dt_proj as matrices too
     llama = skeleton(ARCHITECTURES[0].build(), torch.float32)
     assert resolved_targets(LoraArgs(), llama) == "all-linear"
 
@@ -146,7 +148,8 @@ def logits(model, ids):
 
 JOB_CASES = [("finetune_full", "mistral (window)"), ("finetune_full", "qwen3-moe"), ("finetune_full", "gpt-neox"),
              ("finetune_lora", "gemma2"), ("finetune_lora", "qwen3-moe"), ("finetune_lora", "gpt-oss"),
-             ("finetune_lora", "falcon-h1"), ("finetune_lora", "granite-4 hybrid"), ("finetune_full", "qwen3-next"), ("finetune_lora", "lfm2")]
+             ("finetune_lora", "falcon-h1"), ("finetune_lora", "granite-4 hybrid"), ("finetune_full", "qwen3-next"), ("finetune_lora", "lfm2"),
+             ("finetune_lora", "mamba")]
 
 
 @pytest.mark.parametrize("job, name", JOB_CASES, ids=[f"{j}-{n.split()[0]}" for j, n in JOB_CASES])
@@ -316,3 +319,12 @@ def test_state_carrying_models_get_an_estimate_and_no_mfu(folders, capsys):
     assert "no MFU for this run: qwen3_next's state-carrying layers" in capsys.readouterr().out
     main(["estimate", str(folders["qwen3-next"]), "--job", "finetune_lora", "--seq_len", "32"])
     assert "peak" in capsys.readouterr().out
+
+
+def test_packing_a_state_carrying_model_is_refused_in_one_line(folders, tmp_path):
+    from litft.data import TinyTasks
+    from litft.jobs import JOBS
+
+    with pytest.raises(LitftError, match="--data.packing puts several samples in one row, and mamba's") as refusal:
+        JOBS["finetune_full"](str(folders["mamba"]), out_dir=tmp_path / "run", data=TinyTasks(num_train=8, packing=True), accelerator="cpu")
+    assert "\n" not in str(refusal.value)

@@ -127,7 +127,6 @@ def test_packed_rows_give_the_same_logits_as_separate_samples(tiny_dir, tokenize
     packed = pack(samples, max_length=200)
     assert len(packed) == 1
     batch = collate(packed, tokenizer.pad_token_id, padding_free=True)
-    assert collate(packed, tokenizer.pad_token_id)["input_ids"].shape[0] == 3  # padded rows hold a sequence each
     with torch.no_grad():
         logits = lm(batch["input_ids"], batch["position_ids"])[0]
         offset = 0
