@@ -51,6 +51,19 @@ class HubLayoutWeights:
         self.converted: Dict[str, torch.Tensor] = {}  # the last group converted, by model name
         self.converted_group: Optional[str] = None
 
+    def rows(self, name: str, first: int, last: int) -> torch.Tensor:
+        """Rows ``first:last`` (dim 0) of a tensor, reading only the stored tensors that make them where the group stacks one
+        stored tensor per row (a layer's experts, each its own file entry): a ZeRO-3 rank's partition needs a few experts."""
+        converter, sources = self.groups[self.where[name]]
+        if not stacks_rows(converter, sources, self.shapes.get(name)):
+            return self.get(name)[first:last]
+        transform = copy.deepcopy(converter)
+        for pattern, keys in sources.items():
+            transform.collected_tensors[pattern] = [self.stored.get(key) for key in keys[first:last]]
+        produced = transform.convert(self.where[name], model=self.model, config=self.model.config)
+        value = produced[name]
+        return value[0] if isinstance(value, list) else value
+
     def find(self, names: Iterable[str]) -> Optional[str]:
         return next((name for name in names if name in self.where), None)
 
@@ -79,6 +92,15 @@ class HubLayoutWeights:
                                      "or it does not match this model's config")
             self.converted_group = group
         return self.converted[name]
+
+
+def stacks_rows(converter, sources: Dict[str, List[str]], shape) -> bool:
+    """Whether a group's tensor is its stored tensors stacked along dim 0 (then joined along a later dim): row r made of the r-th
+    stored tensor of each source, so a run of rows converts from those alone."""
+    if converter is None or shape is None or any(len(keys) != shape[0] for keys in sources.values()):
+        return False
+    kinds = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    return kinds[0] == ("MergeModulelist", 0) and all(kind == "Concatenate" and dim >= 1 for kind, dim in kinds[1:])
 
 
 def model_layout_weights(folder: Path, config) -> CheckpointWeights:

@@ -221,6 +221,19 @@ class Materializer:
             raise LitftError(f"{key} in {self.weights.folder} has shape {tuple(stored.shape)}, the model expects {tuple(shape)}")
         return stored
 
+    def stored_range(self, key: str, shape, start: int, count: int) -> torch.Tensor:
+        """Elements ``start:start + count`` of the checkpoint's tensor flattened (a ZeRO-3 partition): from the file's mapping,
+        or, for a layout converted while read, from only the rows that hold them (litft.hub_layout)."""
+        rows = getattr(self.weights, "rows", None)
+        if rows is None or len(shape) < 2 or count <= 0:
+            return self.stored(key, shape).reshape(-1).narrow(0, start, count)
+        row = math.prod(shape[1:])
+        first, last = start // row, -(-(start + count) // row)
+        part = rows(key, first, last)
+        if tuple(part.shape) != (last - first, *shape[1:]):
+            raise LitftError(f"{key} in {self.weights.folder} has rows of shape {tuple(part.shape[1:])}, the model expects {tuple(shape[1:])}")
+        return part.reshape(-1).narrow(0, start - first * row, count)
+
     def _read(self, key: str, meta: torch.Tensor) -> torch.Tensor:
         return self.stored(key, meta.shape).to(meta.dtype, copy=True)
 

@@ -99,3 +99,26 @@ def test_a_hub_layout_checkpoint_is_converted_while_read_one_group_at_a_time(nam
         held = max(held, len(weights.converted))
     assert held <= 3  # one group: a layer's gate_up_proj and down_proj, or one renamed tensor
     assert not (tmp_path / "home" / "converted").exists()
+
+
+def test_a_zero3_partition_of_stacked_experts_reads_only_its_experts(tmp_path, monkeypatch):
+    """A flat range of a layer's stacked experts (a ZeRO-3 partition) is converted from the experts it covers alone, and equals
+    the same range of the whole converted tensor."""
+    from litft.hub_layout import model_layout_weights
+    from tests.architectures import ARCHITECTURES, save_tiny
+
+    monkeypatch.setenv("LITFT_HOME", str(tmp_path / "home"))
+    folder = save_tiny(next(a for a in ARCHITECTURES if a.name == "qwen3-moe"), tmp_path / "model")
+    config = load_config(str(folder))
+    model = skeleton(config, torch.float32)
+    weights = model_layout_weights(folder, config)
+    fill = Materializer(model, model, weights, 0)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    shape = tuple(model.get_parameter(name).shape)  # (4 experts, 2 x 32, 32)
+    whole = weights.get(name).reshape(-1)
+    reads = []
+    monkeypatch.setattr(weights.stored, "get", lambda key, get=weights.stored.get: reads.append(key) or get(key))
+    row = shape[1] * shape[2]
+    part = fill.stored_range(name, shape, row + 5, row)  # the end of expert 1 and the start of expert 2
+    assert torch.equal(part, whole[row + 5 : 2 * row + 5])
+    assert sorted(reads) == sorted(f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in (1, 2) for p in ("gate", "up"))

@@ -98,10 +98,10 @@ def _fill_own_partition(param, materializer: Materializer, key: str) -> bool:
     own = param.ds_tensor
     if getattr(param, "ds_secondary_tensor", None) is not None or getattr(own, "final_location", None) == OffloadDeviceEnum.nvme:
         return False
-    flat = materializer.stored(key, param.ds_shape).reshape(-1)
     start = own.ds_numel * comm.get_rank(group=param.ds_process_group)
     count = max(0, min(own.ds_numel, param.ds_numel - start))
-    own.narrow(0, 0, count).copy_(flat.narrow(0, start, count))
+    if count:
+        own.narrow(0, 0, count).copy_(materializer.stored_range(key, param.ds_shape, start, count))
     own.narrow(0, count, own.numel() - count).zero_()
     return True
 
