@@ -36,7 +36,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def litft_loss(folder: Path, dtype: torch.dtype, device: str):
     attention.RECORD.clear()
     lm = as_litft_builds_it(folder, dtype, device)
-    batch = move_data_to_device(collate(pack(samples(), max_length=64), pad_id=0, padding_free=True), device)  # as the loop's fabric.to_device
+    # As the loop lays rows out: packed, or a sample per padded row where layers carry state (litft.recurrent).
+    rows = collate(samples(), pad_id=0) if lm.whole_rows else collate(pack(samples(), max_length=64), pad_id=0, padding_free=True)
+    batch = move_data_to_device(rows, device)  # as the loop's fabric.to_device
     loss = lm.loss_sum(batch)
     loss.backward()
     grads = {n: p.grad.float().cpu() for n, p in lm.hf_model.named_parameters() if p.grad is not None}
