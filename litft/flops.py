@@ -93,6 +93,16 @@ def _get(config, name: str, default=None):
     return default if value is None else value
 
 
+def expert_count(config) -> int:
+    """A MoE layer's experts, whichever field the config names them by (0 for a dense model)."""
+    return max(_get(config, "num_local_experts", 0), _get(config, "num_experts", 0), _get(config, "n_routed_experts", 0))
+
+
+def experts_per_token(config) -> Optional[int]:
+    """The experts each token runs (top-k), or None where the config does not say."""
+    return _get(config, "num_experts_per_tok") or _get(config, "num_experts_per_token")
+
+
 def model_shape(config, gated: Optional[bool] = None) -> ModelShape:
     """Read a Hugging Face config (object or dict) into a :class:`ModelShape`.
 
@@ -114,11 +124,11 @@ def model_shape(config, gated: Optional[bool] = None) -> ModelShape:
     kv_heads = int(_get(config, "num_key_value_heads", heads))
     head_dim = int(_get(config, "head_dim", hidden // heads))
     intermediate = int(_get(config, "intermediate_size") or _get(config, "n_inner") or _get(config, "ffn_dim") or 4 * hidden)
-    experts = max(_get(config, "num_local_experts", 0), _get(config, "num_experts", 0), _get(config, "n_routed_experts", 0))
+    experts = expert_count(config)
     router = 0
     if experts > 1:
         # A token runs through its top-k experts (and any shared expert): the matmuls of one MLP that wide, plus the router.
-        top_k = _get(config, "num_experts_per_tok") or _get(config, "num_experts_per_token")
+        top_k = experts_per_token(config)
         if not top_k:
             raise LitftError("the MoE config names no num_experts_per_tok; its FLOPs per token are unknown and MFU will not be reported")
         expert = int(_get(config, "moe_intermediate_size") or intermediate)

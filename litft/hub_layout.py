@@ -54,15 +54,11 @@ class HubLayoutWeights:
     def rows(self, name: str, first: int, last: int) -> torch.Tensor:
         """Rows ``first:last`` (dim 0) of a tensor, reading only the stored tensors that make them where the group stacks one
         stored tensor per row (a layer's experts, each its own file entry): a ZeRO-3 rank's partition needs a few experts."""
-        converter, sources = self.groups[self.where[name]]
+        group = self.where[name]
+        converter, sources = self.groups[group]
         if not stacks_rows(converter, sources, self.shapes.get(name)):
             return self.get(name)[first:last]
-        transform = copy.deepcopy(converter)
-        for pattern, keys in sources.items():
-            transform.collected_tensors[pattern] = [self.stored.get(key) for key in keys[first:last]]
-        produced = transform.convert(self.where[name], model=self.model, config=self.model.config)
-        value = produced[name]
-        return value[0] if isinstance(value, list) else value
+        return self.convert(group, converter, sources, slice(first, last))[name]
 
     def find(self, names: Iterable[str]) -> Optional[str]:
         return next((name for name in names if name in self.where), None)
@@ -74,15 +70,7 @@ class HubLayoutWeights:
             return self.stored.get(next(iter(sources.values()))[0])  # renamed only: read as stored
         if self.converted_group != group:
             self.converted, self.converted_group = {}, None  # the previous group is dropped before the next is read
-            transform = copy.deepcopy(converter)
-            for pattern, keys in sources.items():
-                transform.collected_tensors[pattern] = [self.stored.get(key) for key in keys]
-            try:
-                produced = transform.convert(group, model=self.model, config=self.model.config)
-            except Exception as err:  # noqa: BLE001 - an operation's error, whatever its type, means the same here
-                raise LitftError(f"transformers cannot convert {group} from the layout {self.folder} stores ({err}); "
-                                 "the checkpoint does not match this model's config") from None
-            self.converted = {target: value[0] if isinstance(value, list) else value for target, value in produced.items()}
+            self.converted = self.convert(group, converter, sources)
             for target, value in self.converted.items():
                 expected = tuple(self.shapes[target]) if target in self.shapes else tuple(value.shape)
                 if tuple(value.shape) != expected:
@@ -92,6 +80,18 @@ class HubLayoutWeights:
                                      "or it does not match this model's config")
             self.converted_group = group
         return self.converted[name]
+
+    def convert(self, group: str, converter, sources: Dict[str, List[str]], rows: slice = slice(None)) -> Dict[str, torch.Tensor]:
+        """The group's tensors, by model name, made with transformers' operations from its stored tensors (those of ``rows``)."""
+        transform = copy.deepcopy(converter)
+        for pattern, keys in sources.items():
+            transform.collected_tensors[pattern] = [self.stored.get(key) for key in keys[rows]]
+        try:
+            produced = transform.convert(group, model=self.model, config=self.model.config)
+        except Exception as err:  # noqa: BLE001 - an operation's error, whatever its type, means the same here
+            raise LitftError(f"transformers cannot convert {group} from the layout {self.folder} stores ({err}); "
+                             "the checkpoint does not match this model's config") from None
+        return {target: value[0] if isinstance(value, list) else value for target, value in produced.items()}
 
 
 def stacks_rows(converter, sources: Dict[str, List[str]], shape) -> bool:

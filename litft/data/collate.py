@@ -24,7 +24,7 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
             later[0] = IGNORE_INDEX
         input_ids = torch.cat([s["input_ids"] for s in samples])[None]
         labels = torch.cat(labels)[None]
-        position_ids = torch.cat([s.get("position_ids", torch.arange(len(s["input_ids"]))) for s in samples])[None]
+        position_ids = torch.cat([positions_of(s) for s in samples])[None]
     else:
         # A preference pair's chosen and rejected answers get a row each, so no layer that carries state (litft.recurrent)
         # reads one into the other and attention needs no block-diagonal mask; a packed row stays one row.
@@ -55,13 +55,18 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
     return batch
 
 
+def positions_of(sample: Sample) -> torch.Tensor:
+    """A sample's position ids: its own (restarting at each sequence it holds), else 0..length-1."""
+    return sample.get("position_ids", torch.arange(len(sample["input_ids"])))
+
+
 def whole(sample: Sample) -> tuple:
-    return sample["input_ids"], sample["labels"], sample.get("position_ids", torch.arange(len(sample["input_ids"])))
+    return sample["input_ids"], sample["labels"], positions_of(sample)
 
 
 def sequences_of(sample: Sample) -> List[tuple]:
     """A sample's sequences (more than one where its position ids restart: a preference pair), each as (ids, labels, positions)."""
-    positions = sample.get("position_ids", torch.arange(len(sample["input_ids"])))
+    positions = positions_of(sample)
     bounds = sample_starts(positions[None])[0].nonzero().flatten().tolist() + [len(positions)]
     return [(sample["input_ids"][a:b], sample["labels"][a:b], positions[a:b]) for a, b in zip(bounds, bounds[1:])]
 

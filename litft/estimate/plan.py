@@ -11,7 +11,7 @@ from litft.errors import LitftError
 from litft.estimate.inventory import model_tensors
 from litft.estimate.states import memory_layout
 from litft.estimate.trace import trace_activations
-from litft.flops import flops_per_token
+from litft.flops import expert_count, experts_per_token, flops_per_token
 from litft.recurrent import carries_state
 from litft.logs import quiet_libraries
 from litft.memory import GiB, Row
@@ -80,10 +80,10 @@ def objective_of(flags: dict) -> ObjectiveArgs:
 def experts_facts(config, tensors, size: int, tokens: int, itemsize: int, seq_len: int) -> Optional[dict]:
     """A MoE model's experts as the estimate shows them: a rank's share, the tokens' dispatch buffers, the active FLOPs."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    router = max(getattr(text, name, 0) or 0 for name in ("num_local_experts", "num_experts", "n_routed_experts"))
+    router = expert_count(text)
     if router <= 1:
         return None
-    top_k = int(getattr(text, "num_experts_per_tok", None) or getattr(text, "num_experts_per_token", 1))
+    top_k = int(experts_per_token(text) or 1)
     every = sum(t.numel for t in tensors)
     experts = sum(t.numel for t in tensors if is_expert_tensor(t.name))
     return {
