@@ -1,20 +1,23 @@
 """The GPU figures of ``benchmarks/record.py --accelerator cuda``: litft and its peer in the same call, on one H100 or H200.
 
-``--figures`` names groups; the default is the four that fit one 8-minute call
-(1b, 1b_fp8, 8b_lora, moe), ``--figures all`` adds 8b_qlora and dpo. Each group
-runs the measuring script a user would run, reads its JSON lines, and
-turns them into figures; a group whose peer is not installed (bitsandbytes, TRL)
-says so and is skipped. Groups run in the order below, most important first, each
-under its own time limit, so a call cut short still records what it reached. All
-models are random-weight shapes built on the device (it has no network).
+Groups run in the order below, most important first, while the call's time
+(``--seconds``, 470 by default: one 8-minute call) has room for the group's
+measured length; the rest are named as left out. Each group runs the measuring
+script a user would run and reads its JSON lines as they come, so a group cut at
+its time limit, or a side that fails (out of memory, say), still records the
+sides that finished, and a failure is printed with the line it died of. A group
+whose peer is not installed (torchao, bitsandbytes, TRL) is skipped. All models
+are random-weight shapes built on the device (it has no network).
 
 | group | what | figures (``gpu_`` prefix) |
 |---|---|---|
-| 1b | Llama-3.2-1B shape, seq 2048: full bf16-true, LoRA bf16-mixed, chat SFT, each against HF Trainer | tok/s, MFU, speed and memory over Trainer |
-| 1b_fp8 | the same full run with ``--fp8 tensorwise``, and with ``--compile false`` | FP8 over Trainer's bf16, what compile gives |
-| 8b_lora | Llama-3.1-8B shape, seq 4096, LoRA bf16-true, micro 2, global 8 | tok/s, MFU, speed and memory over Trainer |
-| 8b_qlora | the same with the base in NF4 (bitsandbytes) | tok/s, speed and memory over Trainer + bitsandbytes |
+| 1b_full | Llama-3.2-1B shape, seq 2048, full bf16-true against HF Trainer | tok/s, MFU, speed and memory over Trainer |
+| 1b_lora | the same shape, LoRA bf16-mixed | the same |
+| 1b_fp8 | the full run with ``--fp8 tensorwise``, and with ``--compile false`` | FP8 over Trainer's bf16, what compile gives |
 | moe | a Qwen3-MoE training step, grouped experts against the per-expert loop (benchmarks/moe_experts.py) | speed-up |
+| 8b_lora | Llama-3.1-8B shape, seq 4096, LoRA bf16-true, micro 1, global 8 | tok/s, MFU, speed and memory over Trainer |
+| 1b_chat | chat SFT on the 1B shape: varied lengths, prompt masked | tok/s, speed and memory over Trainer |
+| 8b_qlora | the 8B run with the base in NF4 (bitsandbytes) | tok/s, speed and memory over Trainer + bitsandbytes |
 | dpo | DPO with LoRA on the 1B shape against TRL's DPOTrainer (benchmarks/vs_trl_dpo.py) | speed and memory over TRL |
 
 ``--dry`` checks the plan on the CPU in seconds: every command's flags parse with
@@ -24,9 +27,12 @@ output into figures; nothing runs on a GPU and nothing is appended.
 
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,16 +54,18 @@ class Group:
 
     script: str
     args: List[str]
-    seconds: int
+    seconds: int  # its measured length on an H100 (builds included); its limit is half as much again
     read: Callable[[List[dict], Dict[str, float]], Dict[str, float]]
     needs: tuple = ()
     sample: tuple = ()  # output lines of the script, for --dry
 
 
 def trainer_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
-    """vs_hf_trainer.py's summary lines: litft's tok/s and MFU per run, and its speed and memory over Trainer's."""
+    """vs_hf_trainer.py's side lines: litft's tok/s and MFU per run, and its speed and memory over Trainer's."""
     figures = {}
     for row in rows:
+        if "error" in row:
+            continue
         run = "gpu_" + row["run"].replace("-", "_")
         if row["side"] == "litft":
             figures[f"{run}_tok_s"] = row["tokens_per_s"]
@@ -85,14 +93,19 @@ def fp8_rows(rows: List[dict], earlier: Dict[str, float]) -> Dict[str, float]:
 
 def moe_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
     speed = {row["experts"]: row["tokens_per_s"] for row in rows if "tokens_per_s" in row}
-    return {"gpu_moe_grouped_vs_loop": speed["grouped_mm"] / speed["eager"], "gpu_moe_grouped_tok_s": speed["grouped_mm"]}
+    figures = {"gpu_moe_grouped_tok_s": speed["grouped_mm"]} if "grouped_mm" in speed else {}
+    if "eager" in speed and figures:
+        figures["gpu_moe_grouped_vs_loop"] = speed["grouped_mm"] / speed["eager"]
+    return figures
 
 
 def dpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
-    by_side = {row["side"]: row for row in rows if "side" in row}
-    litft, trl = by_side["litft"], by_side["trl"]
-    return {"gpu_dpo_tok_s": litft["tokens_per_s"], "gpu_dpo_vs_trl": litft["tokens_per_s"] / trl["tokens_per_s"],
-            "gpu_dpo_memory_vs_trl": litft["peak_gb"] / trl["peak_gb"]}
+    by_side = {row["side"]: row for row in rows if "tokens_per_s" in row}
+    litft, trl = by_side.get("litft"), by_side.get("trl")
+    figures = {"gpu_dpo_tok_s": litft["tokens_per_s"]} if litft else {}
+    if litft and trl:
+        figures.update(gpu_dpo_vs_trl=litft["tokens_per_s"] / trl["tokens_per_s"], gpu_dpo_memory_vs_trl=litft["peak_gb"] / trl["peak_gb"])
+    return figures
 
 
 def _trainer_line(run: str, side: str, speed: float, over: Optional[float] = None) -> str:
@@ -103,26 +116,33 @@ def _trainer_line(run: str, side: str, speed: float, over: Optional[float] = Non
 
 
 VS = "vs_hf_trainer.py"
+
+
+def _vs(runs: str, *more: str, steps: int = 8) -> List[str]:
+    return ["--accelerator", "cuda", "--runs", runs, "--steps", str(steps), *more]
+
+
+# Lengths measured on one H100 (2026-11-27): 1b-full litft 49 s + Trainer 20 s; 1b-lora 37 + 27 s; FP8 56 s; the MoE step 19 s.
 GROUPS = {
-    "1b": Group(VS, ["--accelerator", "cuda", "--runs", "1b-full,1b-lora,1b-chat", "--sides", "litft,trainer", "--steps", "8"], 240,
-                trainer_rows, sample=(_trainer_line("1b-full", "litft", 60000.0), _trainer_line("1b-full", "trainer", 48000.0, 1.25))),
-    "1b_fp8": Group(VS, ["--accelerator", "cuda", "--runs", "1b-full", "--sides", "litft-fp8,litft-eager", "--steps", "8"], 80, fp8_rows,
-                    needs=("torchao",), sample=(_trainer_line("1b-full", "litft-fp8", 70000.0), _trainer_line("1b-full", "litft-eager", 50000.0))),
-    "8b_lora": Group(VS, ["--accelerator", "cuda", "--runs", "8b-lora", "--seq_len", "4096", "--steps", "5"], 160, trainer_rows,
-                     sample=(_trainer_line("8b-lora", "litft", 14000.0), _trainer_line("8b-lora", "trainer", 8000.0, 1.75))),
-    "8b_qlora": Group(VS, ["--accelerator", "cuda", "--runs", "8b-qlora", "--seq_len", "4096", "--steps", "6"], 200, trainer_rows,
-                      needs=("bitsandbytes",), sample=(_trainer_line("8b-qlora", "litft", 12000.0), _trainer_line("8b-qlora", "trainer", 7000.0, 1.7))),
-    "moe": Group("moe_experts.py", ["--device", "cuda", "--tokens", "8192", "--steps", "5"], 60, moe_rows,
+    "1b_full": Group(VS, _vs("1b-full", "--sides", "litft,trainer"), 85, trainer_rows,
+                     sample=(_trainer_line("1b-full", "litft", 60000.0), _trainer_line("1b-full", "trainer", 48000.0, 1.25))),
+    "1b_lora": Group(VS, _vs("1b-lora", "--sides", "litft,trainer"), 70, trainer_rows,
+                     sample=(_trainer_line("1b-lora", "litft", 60000.0), _trainer_line("1b-lora", "trainer", 38000.0, 1.6))),
+    "1b_fp8": Group(VS, _vs("1b-full", "--sides", "litft-fp8,litft-eager"), 100, fp8_rows, needs=("torchao",),
+                    sample=(_trainer_line("1b-full", "litft-fp8", 70000.0), _trainer_line("1b-full", "litft-eager", 50000.0))),
+    "moe": Group("moe_experts.py", ["--device", "cuda", "--tokens", "8192", "--steps", "5"], 25, moe_rows,
                  sample=(json.dumps({"experts": "eager", "tokens_per_s": 60000.0}), json.dumps({"experts": "grouped_mm", "tokens_per_s": 300000.0}))),
+    "8b_lora": Group(VS, _vs("8b-lora", "--seq_len", "4096", "--sides", "litft,trainer", steps=5), 150, trainer_rows,
+                     sample=(_trainer_line("8b-lora", "litft", 14000.0), _trainer_line("8b-lora", "trainer", 8000.0, 1.75))),
+    "1b_chat": Group(VS, _vs("1b-chat", "--sides", "litft,trainer"), 90, trainer_rows,
+                     sample=(_trainer_line("1b-chat", "litft", 18000.0), _trainer_line("1b-chat", "trainer", 7000.0, 2.5))),
+    "8b_qlora": Group(VS, _vs("8b-qlora", "--seq_len", "4096", "--sides", "litft,trainer", steps=6), 200, trainer_rows,
+                      needs=("bitsandbytes",), sample=(_trainer_line("8b-qlora", "litft", 12000.0), _trainer_line("8b-qlora", "trainer", 7000.0, 1.7))),
     "dpo": Group("vs_trl_dpo.py", ["--accelerator", "cuda", "--sides", "litft,trl", "--steps", "10", "--micro_batch", "8", "--global_batch", "32"],
                  150, dpo_rows, needs=("trl",),
                  sample=(json.dumps({"side": "litft", "tokens_per_s": 30000.0, "peak_gb": 10.0}),
                          json.dumps({"side": "trl", "tokens_per_s": 15000.0, "peak_gb": 20.0}))),
 }
-
-
-# What fits one call of 8 minutes (about 540 s with the models' builds); "all" adds 8B QLoRA and DPO (about 6 minutes more).
-DEFAULT = ("1b", "1b_fp8", "8b_lora", "moe")
 
 
 def command(group: Group, work: Path) -> List[str]:
@@ -151,12 +171,37 @@ def check_flags(group: Group, argv: List[str]) -> None:
         vs_trl_dpo.parse_args(argv)
 
 
-def run_gpu_record(chosen: Optional[List[str]], dry: bool, history: Path) -> None:
+def stream_rows(argv: List[str], limit: float) -> tuple:
+    """Run a measuring script; its JSON lines as far as it got within ``limit`` seconds, and why it stopped (None when it ended well)."""
+    rows, last_lines = [], []
+    with tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        deadline = time.monotonic() + limit
+        reader = threading.Thread(target=lambda: [rows.append(json.loads(line)) if line.startswith("{") else None
+                                                  for line in process.stdout], daemon=True)
+        reader.start()
+        try:
+            process.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the sides' own processes too
+            process.wait()
+            reader.join(5)
+            return rows, f"past its {limit:.0f} s limit"
+        reader.join(5)
+        if process.returncode != 0:
+            err.seek(0)
+            last_lines = [line for line in err.read().splitlines() if line.strip() and "it/s]" not in line]
+            return rows, f"exited {process.returncode}: {last_lines[-1][:300] if last_lines else '?'}"
+    return rows, None
+
+
+def run_gpu_record(chosen: Optional[List[str]], dry: bool, history: Path, seconds: float = 470.0) -> None:
+    """Run the groups in order while the call's ``seconds`` leave room for each, recording each group's figures as it ends."""
     from record import GOALS as CPU_GOALS
     from record import record
 
     CPU_GOALS.update(GOALS)
-    names = list(GROUPS) if chosen == ["all"] else chosen or list(DEFAULT)
+    names = list(GROUPS) if chosen in (None, ["all"]) else chosen
     unknown = set(names) - set(GROUPS)
     if unknown:
         raise SystemExit(f"unknown GPU groups {sorted(unknown)}; choose from {', '.join(GROUPS)}")
@@ -167,6 +212,7 @@ def run_gpu_record(chosen: Optional[List[str]], dry: bool, history: Path) -> Non
             raise SystemExit("record.py --accelerator cuda: no CUDA device here; --dry checks the plan on the CPU")
     work = Path(tempfile.mkdtemp(prefix="litft-gpu-record-"))
     figures: Dict[str, float] = {}
+    began, left_out = time.monotonic(), []
     for name in names:
         group = GROUPS[name]
         missing = [package for package in group.needs if importlib.util.find_spec(package) is None]
@@ -174,31 +220,35 @@ def run_gpu_record(chosen: Optional[List[str]], dry: bool, history: Path) -> Non
         if dry:
             check_flags(group, argv)
             got = group.read([json.loads(line) for line in group.sample], figures)
-            print(f"dry {name}: {' '.join(argv)} -> {', '.join(sorted(got))}" + (f" (would skip: {', '.join(missing)} missing)" if missing else ""))
+            print(f"dry {name} (~{group.seconds} s): {' '.join(argv)} -> {', '.join(sorted(got))}"
+                  + (f" (would skip: {', '.join(missing)} missing)" if missing else ""))
             figures.update(got)
             continue
         if missing:
             print(f"{name}: skipped, {', '.join(missing)} not installed", flush=True)
             continue
+        remaining = seconds - (time.monotonic() - began)
+        if remaining < group.seconds:
+            left_out.append(name)
+            continue
         if group.script == "vs_trl_dpo.py":
             from gpu_throughput import random_weights
 
             random_weights("llama-3.2-1b", work)
-        started = time.perf_counter()
-        try:
-            out = subprocess.run([sys.executable, str(BENCH / group.script), *argv], cwd=ROOT, capture_output=True, text=True,
-                                 timeout=group.seconds)
-        except subprocess.TimeoutExpired:
-            print(f"{name}: past its {group.seconds} s limit, nothing recorded", flush=True)
-            continue
-        rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-        if out.returncode != 0 or not rows:
-            print(f"{name}: exited {out.returncode}: {out.stderr.strip().splitlines()[-1:] or ['?']}", flush=True)
-            continue
+        started = time.monotonic()
+        rows, stopped = stream_rows([sys.executable, str(BENCH / group.script), *argv], min(1.5 * group.seconds, remaining))
+        for row in rows:
+            if "error" in row:
+                print(f"{name}: {row['error']}", flush=True)
         got = group.read(rows, figures)
         figures.update(got)
-        print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"{name}: {time.monotonic() - started:.0f} s" + (f", {stopped}" if stopped else "")
+              + ("" if got else ", nothing recorded"), flush=True)
         for line in record(got, history):  # each group's figures as soon as they exist: a call cut short keeps them
             print(line, flush=True)
+    if left_out:
+        print(f"left out, past --seconds {seconds:.0f}: {', '.join(left_out)} (run them with --figures {' '.join(left_out)})")
     if dry:
-        print(f"dry: {len(names)} groups, {len(figures)} figures; nothing ran on a GPU and nothing was appended")
+        total = sum(GROUPS[name].seconds for name in names)
+        print(f"dry: {len(names)} groups, {len(figures)} figures, about {total} s measured on an H100 (--seconds {seconds:.0f}); "
+              "nothing ran on a GPU and nothing was appended")

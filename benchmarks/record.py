@@ -178,6 +178,8 @@ def versus_trainer(work: Path, runs: int = 2) -> Dict[str, float]:
             if out.returncode != 0:
                 raise SystemExit(f"vs_hf_trainer.py exited {out.returncode}:\n{out.stderr[-3000:]}")
             for row in json_rows(out.stdout):
+                if row.get("error"):
+                    raise SystemExit(f"vs_hf_trainer.py: {row['error']}")
                 if row["side"] == "trainer":
                     figures.setdefault(f"{row['run']}_vs_trainer{shape}", []).append(row["litft_speed_over_this"])
                     figures.setdefault(f"{row['run']}_memory_vs_trainer{shape}", []).append(row["litft_memory_over_this"])
@@ -257,11 +259,12 @@ def main() -> None:
     parser.add_argument("--dry", action="store_true", help="with --accelerator cuda: check the plan on the CPU (no GPU, nothing appended)")
     parser.add_argument("--suite_seconds", type=float, default=None, help="the test suite's time from a clean clone, measured elsewhere")
     parser.add_argument("--no_history", action="store_true", help="print only; append nothing")
+    parser.add_argument("--seconds", type=float, default=470.0, help="with --accelerator cuda: the call's time; groups that would pass it are left out")
     args = parser.parse_args()
     if args.accelerator == "cuda":
         from gpu_record import run_gpu_record
 
-        run_gpu_record(args.figures, dry=args.dry, history=Path(os.devnull) if args.no_history or args.dry else HISTORY)
+        run_gpu_record(args.figures, dry=args.dry, history=Path(os.devnull) if args.no_history or args.dry else HISTORY, seconds=args.seconds)
         return
     chosen = args.figures or [*MEASURES, "vs_trainer"]
     work = Path(tempfile.mkdtemp(prefix="litft-record-"))

@@ -81,8 +81,9 @@ CUDA_RUNS = {
     "1b-full": Workload("full", "bf16-true", data="tokens", micro_batch=4, global_batch=16, lora_r=16, shape="llama-3.2-1b"),
     "1b-lora": Workload("lora", "bf16-mixed", data="tokens", micro_batch=4, global_batch=16, lora_r=16, shape="llama-3.2-1b"),
     "1b-chat": Workload("full", "bf16-true", data="chat", micro_batch=4, global_batch=16, lora_r=16, shape="llama-3.2-1b"),
-    "8b-lora": Workload("lora", "bf16-true", data="tokens", micro_batch=2, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
-    "8b-qlora": Workload("lora", "bf16-true", "bnb.nf4", data="tokens", micro_batch=2, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
+    # Micro-batch 1: at 2 rows of 4096 tokens Trainer's activations and weights pass an H100's 80 GB (it stopped in its first step).
+    "8b-lora": Workload("lora", "bf16-true", data="tokens", micro_batch=1, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
+    "8b-qlora": Workload("lora", "bf16-true", "bnb.nf4", data="tokens", micro_batch=1, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
     # Qwen3-30B-A3B's layers (128 experts, 8 per token), 12 of its 48 (7.9B parameters): MFU counts the active ones.
     "30b-a3b-lora": Workload("lora", "bf16-true", data="tokens", micro_batch=1, global_batch=4, lora_r=16, shape="qwen3-30b-a3b", layers=12),
 }
@@ -154,6 +155,16 @@ def order(args, load: Workload, num_samples: int) -> list:
     return [idx for step in range(args.steps) for idx in sampler.micro_batches(0, step)]
 
 
+class SideFailed(RuntimeError):
+    """A side's process ended without a result; ``line`` is what it died of (the last error line of its stderr)."""
+
+    def __init__(self, side: str, code: int, stderr: str):
+        lines = [line.strip() for line in stderr.splitlines() if line.strip() and "it/s]" not in line and "s/it]" not in line]
+        cause = next((line for line in reversed(lines) if "Error" in line or "error:" in line), lines[-1] if lines else "no output")
+        self.line = f"{side} exited {code}: {cause[:300]}"
+        super().__init__(f"{self.line}\n{stderr[-3000:]}")
+
+
 def run_measured(command: list, work: Path, env: dict):
     """Run a side in its own process; its exit code, peak resident memory (GB, as the kernel counted it), stdout and stderr."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -169,7 +180,7 @@ def run_litft(flags: list, work: Path, threads: int) -> float:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     code, peak_rss, _, stderr = run_measured([sys.executable, "-m", "litft", *flags], work, env)
     if code != 0:
-        raise SystemExit(f"litft exited {code}: {stderr[-2000:]}")
+        raise SideFailed("litft", code, stderr)
     return peak_rss
 
 
@@ -181,7 +192,7 @@ def peer_side(script: str, raw: list, work: Path, side: str, threads: int) -> di
     code, peak_rss, stdout, stderr = run_measured(command, work, env)
     line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
     if line is None:
-        raise SystemExit(f"{side} exited {code}: {stderr[-3000:]}")
+        raise SideFailed(side, code, stderr)
     return {"peak_gb": peak_rss, **json.loads(line[len(RESULT):])}
 
 
@@ -223,7 +234,7 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     code, _, _, stderr = run_measured([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], work, env)
     if code != 0:
-        raise SystemExit(f"litft {change} exited {code}: {stderr[-2000:]}")
+        raise SideFailed(f"litft {change}".strip(), code, stderr)
     rows, rates = steady_rates(out, args.skip)
     # The process's peak as of its last step: loading included, the end-of-run export (the Trainer side saves nothing) left out.
     return {**rates, "peak_gb": max(r["peak_memory_gb"] for r in rows), "steps": len(rows)}
@@ -334,7 +345,7 @@ def run_trainer_side(args, load: Workload, model: Path, work: Path, best: bool) 
     code, peak_gb, stdout, stderr = run_measured(command, work, env)
     line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
     if line is None:
-        raise SystemExit(f"Trainer side exited {code}: {stderr[-2000:]}")
+        raise SideFailed("Trainer", code, stderr)
     return {"peak_gb": peak_gb, **json.loads(line[len(RESULT):])}  # on a GPU, its own peak of allocated memory
 
 
@@ -379,28 +390,31 @@ def main(argv=None) -> None:
     with open(work / "chat.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in chat_records(args.records, args.seed))
     chosen = workloads(args)
-    results = {}
+    print(f"{args.accelerator}, {args.threads} threads, {args.steps} steps (first {args.skip} left out); real (unpadded) tokens/s", flush=True)
     for name, (load, model) in chosen.items():
+        base = None
         for side in args.sides.split(","):
             started = time.perf_counter()
-            if side.startswith("litft"):
-                result = litft_side(args, load, model, work, side.removeprefix("litft").lstrip("-"))
-            else:
-                result = run_trainer_side(args, load, model, work, best=side == "trainer-best")
+            try:
+                if side.startswith("litft"):
+                    result = litft_side(args, load, model, work, side.removeprefix("litft").lstrip("-"))
+                else:
+                    result = run_trainer_side(args, load, model, work, best=side == "trainer-best")
+            except SideFailed as failure:  # the other sides still run: one that runs out of memory says so and nothing more
+                print(f"{name:<8} {side:<18} failed: {failure.line}", flush=True)
+                print(json.dumps({"run": name, "side": side, **asdict(load), "error": failure.line}), flush=True)
+                continue
             result["wall_s"] = time.perf_counter() - started
-            results[(name, side)] = result
             print(f"{name:<8} {side:<18} {result['tokens_per_s']:9.1f} tokens/s  peak {result['peak_gb']:6.2f} GB  ({result['wall_s']:.0f} s)", flush=True)
-    print(f"\n{args.accelerator}, {args.threads} threads, {args.steps} steps (first {args.skip} left out); real (unpadded) tokens/s")
-    for name, (load, _) in chosen.items():
-        base = results.get((name, "litft"))
-        for side in args.sides.split(","):
-            r = dict(results[(name, side)])
-            if base and side != "litft":
-                r["mfu"] = base["mfu"] * r["tokens_per_s"] / base["tokens_per_s"] if base.get("mfu") is not None else None
-                r["litft_speed_over_this"] = base["tokens_per_s"] / r["tokens_per_s"]
-                r["litft_memory_over_this"] = base["peak_gb"] / r["peak_gb"]
-            print(json.dumps({"run": name, "side": side, **asdict(load), **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}))
-
+            if side == "litft":
+                base = result
+            elif base:
+                result["mfu"] = base["mfu"] * result["tokens_per_s"] / base["tokens_per_s"] if base.get("mfu") is not None else None
+                result["litft_speed_over_this"] = base["tokens_per_s"] / result["tokens_per_s"]
+                result["litft_memory_over_this"] = base["peak_gb"] / result["peak_gb"]
+            # Each side's line as soon as it ends: a caller cut short by its time limit keeps the sides that finished.
+            print(json.dumps({"run": name, "side": side, **asdict(load), **{k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}}),
+                  flush=True)
 
 if __name__ == "__main__":
     main()

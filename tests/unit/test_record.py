@@ -1,0 +1,41 @@
+"""benchmarks/record.py's GPU plan, checked where CI runs: the plan parses, and a group cut short keeps what it measured."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+from gpu_record import GROUPS, stream_rows, trainer_rows  # noqa: E402
+
+
+def test_the_gpu_plan_parses_with_each_scripts_own_flags():
+    out = subprocess.run([sys.executable, str(BENCH / "record.py"), "--accelerator", "cuda", "--dry"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert all(f"dry {name} " in out.stdout for name in GROUPS)
+
+
+def test_a_group_past_its_limit_keeps_the_sides_that_finished_and_ends_their_processes():
+    script = ("import json, subprocess, sys, time\n"
+              "print(json.dumps({'run': '1b-full', 'side': 'litft', 'tokens_per_s': 5.0, 'mfu': 0.4}), flush=True)\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              "print(json.dumps({'pid': child.pid}), flush=True)\n"
+              "time.sleep(60)\n")
+    rows, stopped = stream_rows([sys.executable, "-c", script], limit=3)
+    assert stopped == "past its 3 s limit"
+    assert trainer_rows(rows[:1], {}) == {"gpu_1b_full_tok_s": 5.0, "gpu_1b_full_mfu": 0.4}
+    child = rows[1]["pid"]
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_a_side_that_fails_is_named_with_what_it_died_of_and_the_rest_is_read():
+    rows = [{"run": "8b-lora", "side": "litft", "tokens_per_s": 14000.0, "mfu": 0.5},
+            {"run": "8b-lora", "side": "trainer", "error": "Trainer exited 1: torch.OutOfMemoryError: CUDA out of memory"}]
+    script = f"import sys\nfor row in {rows!r}: print(__import__('json').dumps(row))\nsys.exit(0)\n"
+    got, stopped = stream_rows([sys.executable, "-c", script], limit=30)
+    assert stopped is None and got == rows
+    assert trainer_rows(got, {}) == {"gpu_8b_lora_tok_s": 14000.0, "gpu_8b_lora_mfu": 0.5}
+    _, stopped = stream_rows([sys.executable, "-c", "import sys; sys.stderr.write('torch.OutOfMemoryError: CUDA out of memory\\n'); sys.exit(1)"], 30)
+    assert stopped == "exited 1: torch.OutOfMemoryError: CUDA out of memory"
