@@ -6,9 +6,9 @@ layer) or under another name (GPT-NeoX's ``embed_out``). transformers converts t
 while loading with the operations of its conversion mapping. litft applies the same
 operations, but only when the fill asks for a tensor: the group of stored tensors
 that makes it (one layer's experts, say) is read, converted and kept until the fill
-moves on to another group. Nothing is written to disk, and no process holds more
-than its share of the model and one group; under ZeRO-3 each rank copies its slice
-of the converted tensor and drops the rest.
+moves on to another group. Nothing is written to disk. Under FSDP (its expert
+groups included) and ZeRO-3 a rank asks only for the rows it keeps, and a layer's
+experts are then converted from the experts those rows cover alone.
 """
 
 import copy
@@ -53,7 +53,7 @@ class HubLayoutWeights:
 
     def rows(self, name: str, first: int, last: int) -> torch.Tensor:
         """Rows ``first:last`` (dim 0) of a tensor, reading only the stored tensors that make them where the group stacks one
-        stored tensor per row (a layer's experts, each its own file entry): a ZeRO-3 rank's partition needs a few experts."""
+        stored tensor per row (a layer's experts, each its own file entry): an FSDP shard or ZeRO-3 partition needs a few experts."""
         group = self.where[name]
         converter, sources = self.groups[group]
         if not stacks_rows(converter, sources, self.shapes.get(name)):

@@ -123,6 +123,9 @@ class Materializer:
         self.names: List[List[str]] = []
         self.owners: List[list] = []
         self.module_names: Dict[int, str] = {}  # each module's name under root, for the fills that walk a part
+        # The rows (dim 0) of a parameter that its place will keep, by (module, attr), during a fill that was told them
+        # (FSDP's shard, an expert group's experts): only those are read, converted and copied.
+        self.kept_rows: Dict[Tuple[int, str], Tuple[int, int]] = {}
         groups: Dict[int, int] = {}
         for module_name, module in root.named_modules(remove_duplicate=False):
             self.module_names[id(module)] = module_name
@@ -138,9 +141,15 @@ class Materializer:
                     self.names[group].append(checkpoint_name(f"{module_name}.{attr}" if module_name else attr))
                     self.owners[group].append((module, kind, attr))
 
-    def __call__(self, part: nn.Module) -> None:
-        for module in part.modules():
-            self._fill_module(self.module_names.get(id(module), ""), module)
+    def __call__(self, part: nn.Module, kept_rows: Optional[Dict[Tuple[int, str], Tuple[int, int]]] = None) -> None:
+        """Fill ``part``; ``kept_rows`` names, by (module id, attr), the rows of a parameter that will be kept. The other rows
+        are left unread and unwritten (never resident), for a strategy that drops them right after the fill."""
+        self.kept_rows = kept_rows or {}
+        try:
+            for module in part.modules():
+                self._fill_module(self.module_names.get(id(module), ""), module)
+        finally:
+            self.kept_rows = {}
 
     @torch.no_grad()
     def _fill_module(self, module_name: str, module: nn.Module) -> None:
@@ -173,24 +182,25 @@ class Materializer:
         fresh = []
         for kind, attr, template in slots:
             key = self.checkpoint_key(module, kind, attr)
+            rows = self.kept_rows.get((id(module), attr)) if kind == "_parameters" else None
             # safetensors hands out views of its file mapping; the parameter gets its own memory.
-            value = self._read(key, template) if key is not None else torch.empty(template.shape, dtype=template.dtype)
+            value = self._read(key, template, rows) if key is not None else torch.empty(template.shape, dtype=template.dtype)
             if kind == "_parameters":
                 value = nn.Parameter(value, requires_grad=template.requires_grad)
             getattr(module, kind)[attr] = value
-            fresh.append((key, template, value))
-        if any(key is None for key, _, _ in fresh):
+            fresh.append((key, template, value, rows))
+        if any(key is None for key, _, _, _ in fresh):
             # Computed buffers start as NaN, so that one the module's own init leaves unset can be told apart.
-            derived = [value for (kind, _, _), (key, _, value) in zip(slots, fresh)
+            derived = [value for (kind, _, _), (key, _, value, _) in zip(slots, fresh)
                        if kind == "_buffers" and key is None and value.is_floating_point() and value.numel()]
             for value in derived:
                 value.fill_(math.nan)
-            self.initialize(name, module, [value for key, _, value in fresh if key is None])
+            self.initialize(name, module, [value for key, _, value, _ in fresh if key is None])
             self.derive_from_ancestors(module_name, [value for value in derived if value.isnan().all()])
-            for key, template, value in fresh:
+            for key, template, value, rows in fresh:
                 if key is not None:  # the module's init also touched these; the checkpoint wins
-                    value.data.copy_(self._read(key, template))
-        return [value for _, _, value in fresh]
+                    value.data.copy_(self._read(key, template, rows))
+        return [value for _, _, value, _ in fresh]
 
     def derive_from_ancestors(self, module_name: str, unset: List[torch.Tensor]) -> None:
         """Buffers the module's own init leaves unset (Falcon-H1's MuP vector is set by the model's init for every layer):
@@ -221,21 +231,33 @@ class Materializer:
             raise LitftError(f"{key} in {self.weights.folder} has shape {tuple(stored.shape)}, the model expects {tuple(shape)}")
         return stored
 
-    def stored_range(self, key: str, shape, start: int, count: int) -> torch.Tensor:
-        """Elements ``start:start + count`` of the checkpoint's tensor flattened (a ZeRO-3 partition): from the file's mapping,
-        or, for a layout converted while read, from only the rows that hold them (litft.hub_layout)."""
+    def stored_rows(self, key: str, shape, first: int, last: int) -> torch.Tensor:
+        """Rows ``first:last`` (dim 0) of the checkpoint's tensor: a view of the file's mapping, or, for a layout converted
+        while read (litft.hub_layout), converted from only the stored tensors that make them."""
         rows = getattr(self.weights, "rows", None)
-        if rows is None or len(shape) < 2 or count <= 0:
-            return self.stored(key, shape).reshape(-1).narrow(0, start, count)
-        row = math.prod(shape[1:])
-        first, last = start // row, -(-(start + count) // row)
+        if rows is None or len(shape) < 2:
+            return self.stored(key, shape)[first:last]
         part = rows(key, first, last)
         if tuple(part.shape) != (last - first, *shape[1:]):
             raise LitftError(f"{key} in {self.weights.folder} has rows of shape {tuple(part.shape[1:])}, the model expects {tuple(shape[1:])}")
-        return part.reshape(-1).narrow(0, start - first * row, count)
+        return part
 
-    def _read(self, key: str, meta: torch.Tensor) -> torch.Tensor:
-        return self.stored(key, meta.shape).to(meta.dtype, copy=True)
+    def stored_range(self, key: str, shape, start: int, count: int) -> torch.Tensor:
+        """Elements ``start:start + count`` of the checkpoint's tensor flattened (a ZeRO-3 partition), read from the rows that hold them."""
+        if len(shape) < 2 or count <= 0:
+            return self.stored(key, shape).reshape(-1).narrow(0, start, count)
+        row = math.prod(shape[1:])
+        first, last = start // row, -(-(start + count) // row)
+        return self.stored_rows(key, shape, first, last).reshape(-1).narrow(0, start - first * row, count)
+
+    def _read(self, key: str, meta: torch.Tensor, rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        if rows is None or not meta.dim():
+            return self.stored(key, meta.shape).to(meta.dtype, copy=True)
+        value = torch.empty(meta.shape, dtype=meta.dtype)  # the other rows stay untouched (no memory behind them) and are dropped
+        first, last = rows
+        if last > first:
+            value[first:last].copy_(self.stored_rows(key, meta.shape, first, last))
+        return value
 
     def initialize(self, name: str, module: nn.Module, values: List[torch.Tensor]) -> None:
         """peft's adapter init for LoRA matrices, the model's own init for everything else."""

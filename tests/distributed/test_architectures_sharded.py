@@ -29,6 +29,8 @@ CASES = {
     "tp2-neox": ("gpt-neox", TP2),  # one fused qkv with heads interleaved, a parallel residual
     "tp2-llama": ("llama", TP2),
     "zero3-moe": ("qwen3-moe", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2", "--train.micro_batch_size", "4"]),
+    # Each FSDP rank converts only its rows of the hub layout's per-expert tensors (and reads only its rows of the rest).
+    "fsdp-moe": ("qwen3-moe", ["--strategy", "fsdp", "--devices", "2", "--train.micro_batch_size", "4"]),
     # Layers that carry state, on a sample per padded row: Falcon-H1's Mamba2 beside attention (its MuP vector set by the model's
     # init) sharded by FSDP, Qwen3-Next's gated delta rule and experts by ZeRO-3.
     "fsdp-state": ("falcon-h1", ["--strategy", "fsdp", "--devices", "2", "--train.micro_batch_size", "4"]),

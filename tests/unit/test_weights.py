@@ -122,3 +122,38 @@ def test_a_zero3_partition_of_stacked_experts_reads_only_its_experts(tmp_path, m
     part = fill.stored_range(name, shape, row + 5, row)  # the end of expert 1 and the start of expert 2
     assert torch.equal(part, whole[row + 5 : 2 * row + 5])
     assert sorted(reads) == sorted(f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in (1, 2) for p in ("gate", "up"))
+
+
+def test_an_fsdp_rank_fills_reads_and_converts_only_the_rows_it_keeps(tmp_path, monkeypatch):
+    """The second of two FSDP ranks fills a Qwen3-MoE block in the hub's layout: each parameter's kept rows (torch.chunk's, as
+    FSDP2 shards) equal the whole load's, and only experts 2 and 3 of the layer's per-expert tensors are read."""
+    from litft.hub_layout import model_layout_weights
+    from litft.parallel.strategies.fsdp import chunk_rows, kept_rows
+    from tests.architectures import ARCHITECTURES, save_tiny
+
+    class Ranks:  # the shard dimension of a mesh, as kept_rows reads it
+        def size(self, dim=-1):
+            return 2
+
+        def get_local_rank(self, dim=-1):
+            return 1
+
+    assert [chunk_rows(5, 2, r) for r in (0, 1)] == [(0, 3), (3, 5)] and chunk_rows(1, 2, 1) == (1, 1)  # torch.chunk's split
+    monkeypatch.setenv("LITFT_HOME", str(tmp_path / "home"))
+    folder = save_tiny(next(a for a in ARCHITECTURES if a.name == "qwen3-moe"), tmp_path / "model")
+    config = load_config(str(folder))
+    whole = skeleton(config, torch.float32)
+    Materializer(whole, whole, model_layout_weights(folder, config), 0)(whole)
+    model = skeleton(config, torch.float32)
+    weights = model_layout_weights(folder, config)
+    reads = []
+    monkeypatch.setattr(weights.stored, "get", lambda key, get=weights.stored.get: reads.append(key) or get(key))
+    block = transformer_blocks(model)[1]
+    rows = kept_rows(block, Ranks())
+    Materializer(model, model, weights, 0)(block, rows)
+    for name, param in block.named_parameters():
+        first, last = rows[(id(block.get_submodule(name.rpartition(".")[0])), name.rpartition(".")[2])]
+        assert (first, last) == chunk_rows(param.shape[0], 2, 1)
+        torch.testing.assert_close(param[first:last], whole.get_parameter(f"model.layers.1.{name}")[first:last], rtol=0, atol=0, msg=name)
+    experts = sorted(key for key in reads if ".experts." in key)
+    assert experts == sorted(f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in (2, 3) for p in ("gate", "up", "down"))

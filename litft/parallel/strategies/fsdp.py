@@ -18,14 +18,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from litft.cluster import process_group_timeout
 from litft.config import Layout
-from litft.device import compute_dtype
+from litft.device import compute_dtype, release_freed_host_memory
 from litft.errors import LitftError
 from litft.experts import experts_modules
-from litft.parallel.expert import expert_data_mesh, deal_out_experts
+from litft.parallel.expert import deal_out_experts, expert_data_mesh, expert_tensors
 from litft.parallel.mesh import Mesh
 from litft.parallel.strategies.base import Fill, TrainingStrategy
 from litft.parallel.tensor import clip_by_global_norm, parallelize_block, sum_partial_gradients
-from litft.weights import transformer_blocks
+from litft.weights import Materializer, transformer_blocks
 
 
 CHECKSUM_CHUNK = 2**20  # elements summed at a time by the replica check
@@ -63,6 +63,33 @@ def shard_units(hf_model) -> List[torch.nn.Module]:
         # Untied vocabulary matrices are the largest pieces; as units of their own they are never full at the same time.
         units += [embeddings, head]
     return units
+
+
+def chunk_rows(rows: int, size: int, rank: int) -> Tuple[int, int]:
+    """The rows of dim 0 that ``torch.chunk`` gives ``rank`` of ``size``: FSDP2's shard, and the expert group's deal."""
+    step = -(-rows // size)
+    first = min(rank * step, rows)
+    return first, min(first + step, rows)
+
+
+def kept_rows(unit: torch.nn.Module, shard_mesh, expert_mesh=None) -> dict:
+    """For each parameter of ``unit`` still to be filled, the rows this rank keeps once the unit is sharded (its experts'
+    share first, under expert parallel): the fill reads and converts only those."""
+    kept = {}
+    experts = {id(module) for module in experts_modules(unit)} if expert_mesh is not None else set()
+    for module in unit.modules():
+        dealt = set(expert_tensors(module)) if id(module) in experts else set()
+        for attr, param in module._parameters.items():
+            if param is None or not param.is_meta or not param.dim():
+                continue
+            if attr in dealt:
+                first, last = chunk_rows(param.shape[0], expert_mesh["expert"].size(), expert_mesh["expert"].get_local_rank())
+                data = expert_data_mesh(expert_mesh)
+                start, stop = chunk_rows(last - first, data.size(-1), data.get_local_rank(-1))
+                kept[(id(module), attr)] = (first + start, first + stop)
+            else:
+                kept[(id(module), attr)] = chunk_rows(param.shape[0], shard_mesh.size(-1), shard_mesh.get_local_rank(-1))
+    return kept
 
 
 class ReplicaSync:
@@ -137,14 +164,20 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         blocks = set(map(id, transformer_blocks(module.hf_model)))
         # Each rank keeps its group's share of the experts, sharded by FSDP over the ranks that hold the same ones.
         expert_options = {**options, "mesh": expert_data_mesh(self.expert_mesh)} if self.expert_mesh is not None else None
+        # Each rank reads and converts only the rows it keeps (not under tensor parallel, whose splits are not all by row).
+        by_rows = isinstance(self.fill, Materializer) and not tensor
         for unit in shard_units(module.hf_model):
-            self.fill(unit)  # one full unit at a time, sharded right away
+            if by_rows:
+                self.fill(unit, kept_rows(unit, options["mesh"], self.expert_mesh if expert_options is not None else None))
+            else:
+                self.fill(unit)  # one full unit at a time, sharded right away
             if tensor and id(unit) in blocks:
                 parallelize_block(unit, mesh["tensor"], module.hf_model.config)
             for experts in experts_modules(unit) if expert_options is not None else ():
                 deal_out_experts(experts, self.expert_mesh["expert"])
                 fully_shard(experts, **expert_options)
             fully_shard(unit, **options)
+            release_freed_host_memory()  # the unit's whole tensors and conversions, freed between shards that stay: see litft.device
         self.fill(module)
         fully_shard(module.hf_model, **options)
         return module
