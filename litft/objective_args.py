@@ -34,7 +34,7 @@ class ObjectiveArgs:
     max_new_tokens: int = 256
     """GRPO: the longest completion; longer ones are cut there (their share is logged)."""
     generation_batch: Optional[int] = None
-    """GRPO: prompts sampled together in one batched generate call (their groups left-padded into one batch). Rollouts depend on it, never on the rank layout; it must divide each rank's share of prompts. Default: the largest of 16, 8, 4, 2, 1 that divides it (set it to compare runs on different layouts)."""
+    """GRPO: prompts sampled together in one batched generate call (their groups left-padded into one batch): more is faster and holds a larger KV cache. Each completion draws from noise of its own, so rollouts depend on neither this nor the rank layout. It must divide each rank's share of prompts. Default: the largest of 16, 8, 4, 2, 1 that divides it."""
     temperature: float = 1.0
     """GRPO: sampling temperature of the rollouts."""
     top_p: float = 1.0

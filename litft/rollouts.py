@@ -4,11 +4,13 @@ The engine is an interface (``Engine.sample``) so that another one (vLLM) can co
 without touching the loop; the first is transformers' ``generate`` on the trained weights,
 under every strategy (FSDP2 and ZeRO-3 gather as they train, every rank making the same
 number of forwards, ``synced_gpus``). Rollouts are a function of (seed, epoch, step,
-prompt index, ``--objective.generation_batch``) and never of the rank layout: a step's
-prompts are cut into runs of ``generation_batch`` in their global order, each run's
-groups are sampled together on one rank from a generator seeded by those numbers, so
-two ranks sample what one process samples, and a resumed run samples what the
-uninterrupted one did.
+prompt index) and never of the rank layout: each completion draws its tokens from noise
+hashed from those numbers (litft.engine.GumbelSampler), whichever prompts share its
+batch, so two ranks sample what one process samples, and a resumed run samples what
+the uninterrupted one did. A step's prompts are cut into runs of ``generation_batch``
+in their global order, each run's groups sampled together on one rank; the batch's
+width and padding can still move a logit in its last bits, which changes a token only
+where two perturbed logits tie to that precision.
 """
 
 import hashlib
@@ -137,7 +139,8 @@ class RolloutBatches:
                 groups += [stored[index] for index in chunk]
                 continue
             prompts = [self.prompts[index]["input_ids"].tolist() for index in chunk]
-            completions, cuts, chunk_entropy = self.engine.sample(prompts, args.group_size, rollout_seed(self.seed, epoch, cycle, chunk[0]))
+            seeds = [rollout_seed(self.seed, epoch, cycle, index) for index in chunk]
+            completions, cuts, chunk_entropy = self.engine.sample(prompts, args.group_size, seeds)
             entropy += chunk_entropy
             groups += [{"completions": c, "cuts": k} for c, k in zip(completions, cuts)]
         generation_s = time.perf_counter() - started
@@ -268,7 +271,7 @@ def held_out_reward(trainer, objective) -> Optional[Dict[str, float]]:
         chunk = mine[start : start + trainer.spec.train.micro_batch_size]
         batch = chunk or [0]  # a stand-in: every rank makes the same generate calls
         input_ids, mask = left_padded([data.val[i]["input_ids"].tolist() for i in batch], trainer.tokenizer.pad_token_id)
-        out = engine.generate(input_ids.to(fabric.device), mask.to(fabric.device), greedy=True)
+        out = engine.generate(input_ids.to(fabric.device), mask.to(fabric.device))
         scored += [(data.val[i], [engine.completion(row)[0]]) for i, row in zip(chunk, out[:, input_ids.shape[1]:].cpu())]
     engine.model.train()
     by_function, total = judge(trainer.tokenizer, objective, scored)

@@ -1,8 +1,9 @@
 """GRPO under every strategy (expert and tensor parallel included) against one process, and stopped inside a cycle of iterations then resumed.
 
-Rollouts depend on (seed, epoch, cycle, prompt, generation batch) and never on the rank layout, so two
-ranks sample the completions one process samples (here two prompts' groups at a time, left-padded into one
-batch); the step's loss is then the same sum over the same tokens. Each run takes two cycles of two iterations (four steps) with the sampler's log-probs recomputed, a format reward
+Rollouts depend on (seed, epoch, cycle, prompt) and never on the rank layout or the batching: each completion
+draws from noise of its own, so two ranks sample the completions one process samples, though one process
+left-pads a step's four prompts' groups into one batch and each of two ranks its two; the step's loss is then
+the same sum over the same tokens. Each run takes two cycles of two iterations (four steps) with the sampler's log-probs recomputed, a format reward
 that some completions of the random litft-tiny meet and some do not, and one held-out validation.
 The loss formulas themselves are checked against the papers' in tests/unit/test_rl.py.
 """
@@ -16,7 +17,7 @@ from tests.conftest import read_metrics, step_losses
 
 COMMON = [
     "--objective", "grpo", "--objective.group_size", "4", "--objective.max_new_tokens", "8", "--objective.rewards", "format",
-    "--objective.format_pattern", ".*[aeiou].*", "--objective.iterations", "2", "--objective.generation_batch", "2", "--data.num_train", "16", "--data.num_val", "4",
+    "--objective.format_pattern", ".*[aeiou].*", "--objective.iterations", "2", "--data.num_train", "16", "--data.num_val", "4",
     "--train.global_batch_size", "4", "--train.max_steps", "4", "--train.learning_rate", "3e-3", "--train.warmup_steps", "1",
     "--eval.interval", "4", "--eval.initial_validation", "false", "--precision", "32-true", "--accelerator", "cpu", "--logger_name", "csv",
 ]

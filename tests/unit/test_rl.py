@@ -230,3 +230,30 @@ def test_the_estimate_counts_a_groups_kv_cache_as_generate_holds_it(tiny_dir, ca
     plan = json.loads(capsys.readouterr().out)
     expected = build_objective(ObjectiveArgs(name="grpo", group_size=8), lora=True).generation_bytes(model.config, 64, 4)
     assert plan["per_rank"]["generation"]["gpu"] == expected and plan["activations"]["peak"] > 0
+
+
+def test_the_sampler_draws_from_the_softmax_at_the_temperature_with_noise_of_each_rows_own():
+    """Gumbel-max on hashed noise: first tokens of 40,000 rows fall as softmax(logits / T) says (top-p drops the tail), and a
+    row's draws depend on its seed alone, not on the rows beside it."""
+    from litft.engine import GumbelSampler
+
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    rows = 40_000
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.8)):
+        sampler = GumbelSampler(list(range(rows)), temperature, top_p, "cpu")
+        picked = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.expand(rows, -1)).argmax(-1)
+        expected = torch.softmax(logits / temperature, -1)
+        if top_p < 1:  # the smallest set of tokens whose probability reaches top_p: the first two here (0.63 + 0.23)
+            expected = torch.where(torch.arange(5) < 2, expected, 0.0)
+            expected /= expected.sum()
+        share = torch.bincount(picked, minlength=5).double() / rows
+        torch.testing.assert_close(share, expected.double(), atol=0.01, rtol=0)  # binomial std at most 0.0025
+
+    seeds = [11, 2**59 + 5, 77]
+    together = GumbelSampler(seeds, 1.0, 1.0, "cpu")
+    alone = GumbelSampler(seeds[1:2], 1.0, 1.0, "cpu")
+    scores = torch.randn(3, 50)
+    for _ in range(3):  # each token its own noise, the same for a seed wherever its row is
+        both = together(None, scores), alone(None, scores[1:2])
+        torch.testing.assert_close(both[0][1:2], both[1], rtol=0, atol=0)
+    assert not torch.equal(together.noise(50)[0], together.noise(50)[2])
