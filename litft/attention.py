@@ -53,6 +53,8 @@ class AttentionRecord:
         self.seen: set = set()
 
     def note(self, path: str, received: torch.dtype, computed: torch.dtype) -> None:
+        if torch.compiler.is_compiling():  # a compiled block would guard on the set and compile again once the key is in it
+            return
         key = (path, str(received).removeprefix("torch."), str(computed).removeprefix("torch."))
         if key not in self.seen:
             self.seen.add(key)

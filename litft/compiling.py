@@ -19,6 +19,7 @@ CUDA only.
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 
 from litft.errors import LitftError
 
@@ -86,6 +87,21 @@ def compile_blocks(blocks) -> int:
         block.compile()
         kinds.add(type(block))
     return len(kinds)
+
+
+def eager_blocks():
+    """A context in which compiled blocks run as plain Python and nothing new is compiled.
+
+    Generation (evaluation's greedy answers, GRPO's rollouts) calls each block with a
+    batch of another size, one token at a time, and a KV cache whose per-layer state
+    dynamo guards on: compiled, it added a variant per layer until dynamo's recompile
+    limit (8), which training's own variants share. ``torch.compiler.set_stance``
+    where torch has it (2.6 on), dynamo's disable switch, read on every call, before.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is not None:
+        return set_stance("force_eager")
+    return torch._dynamo.config.patch(disable=True)
 
 
 class CompileStats:

@@ -14,6 +14,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from litft.compiling import eager_blocks
+
 MASK32 = 0xFFFFFFFF
 
 from litft.evaluation import stop_tokens
@@ -116,7 +118,7 @@ class TransformersEngine(Engine):
     def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], processors=()):
         """Greedy decoding of the processed scores: the argmax, or a sample where a processor adds noise (GumbelSampler). No
         warper or penalty of the model's generation config applies: the completions come from the policy the loss sees."""
-        with self.fabric.autocast():
+        with self.fabric.autocast(), eager_blocks():
             return self.model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=self.max_new_tokens, do_sample=False,
                 repetition_penalty=1.0, pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.stops,

@@ -5,6 +5,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from litft.compiling import eager_blocks
 from litft.data.base import PreparedData, Prompted
 from litft.data.collate import collate
 from litft.data.order import eval_batches
@@ -72,7 +73,7 @@ def score(fabric, module, prompts: List[Prompted], tokenizer, max_new_tokens: in
         for row, p in enumerate(chunk):
             input_ids[row, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
             attention[row, width - len(p.prompt_ids) :] = 1
-        with fabric.autocast():
+        with fabric.autocast(), eager_blocks():
             out = model.generate(
                 input_ids=input_ids.to(fabric.device), attention_mask=attention.to(fabric.device), max_new_tokens=max_new_tokens,
                 do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_tokens(model, tokenizer),

@@ -128,3 +128,36 @@ def test_train_step_reads_nothing_back_from_the_device_but_on_log_steps():
     assert reads_per_step[:2] == [0, 0] and reads_per_step[2] > 0  # only step 3, a log step, reads the loss and the norm
     assert trainer.state.history[2]["loss"] == pytest.approx(4.0 / 4) and trainer.state.history[2]["grad_norm"] == 0.5
     assert "loss" not in trainer.state.history[0]
+
+
+@pytest.mark.parametrize("torch_has_set_stance", [True, False])
+def test_generation_runs_compiled_blocks_eagerly_and_compiles_nothing_new(monkeypatch, torch_has_set_stance):
+    """Inside eager_blocks a compiled block takes new shapes and a new grad mode without a compile (torch.compiler.set_stance,
+    and dynamo's disable switch on a torch without it); outside, its compiled code serves the training shape again."""
+    from torch._dynamo.utils import counters
+
+    from litft.compiling import eager_blocks
+
+    if not torch_has_set_stance:
+        monkeypatch.delattr(torch.compiler, "set_stance")
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.linear(x)) * 2
+
+    torch._dynamo.reset()
+    block = Block()
+    block.compile(backend="eager")
+    x = torch.randn(4, 8)
+    expected = block(x)
+    frames = counters["frames"]["total"]
+    with eager_blocks(), torch.no_grad():
+        for rows in (1, 3, 64):
+            torch.testing.assert_close(block(torch.cat([x] * 16)[:rows]), torch.cat([expected] * 16)[:rows])
+    assert counters["frames"]["total"] == frames
+    block(x)
+    assert counters["frames"]["total"] == frames
