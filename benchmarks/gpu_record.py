@@ -173,15 +173,21 @@ def check_flags(group: Group, argv: List[str]) -> None:
 
 def stream_rows(argv: List[str], limit: float) -> tuple:
     """Run a measuring script; its JSON lines as far as it got within ``limit`` seconds, and why it stopped (None when it ended well)."""
-    rows, last_lines = [], []
+    from vs_hf_trainer import died_of
+
+    rows = []
+
+    def read(stdout) -> None:
+        for line in stdout:
+            if line.startswith("{"):
+                rows.append(json.loads(line))
+
     with tempfile.TemporaryFile("w+") as err:
         process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-        deadline = time.monotonic() + limit
-        reader = threading.Thread(target=lambda: [rows.append(json.loads(line)) if line.startswith("{") else None
-                                                  for line in process.stdout], daemon=True)
+        reader = threading.Thread(target=read, args=(process.stdout,), daemon=True)
         reader.start()
         try:
-            process.wait(timeout=max(deadline - time.monotonic(), 1))
+            process.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)  # the sides' own processes too
             process.wait()
@@ -190,8 +196,7 @@ def stream_rows(argv: List[str], limit: float) -> tuple:
         reader.join(5)
         if process.returncode != 0:
             err.seek(0)
-            last_lines = [line for line in err.read().splitlines() if line.strip() and "it/s]" not in line]
-            return rows, f"exited {process.returncode}: {last_lines[-1][:300] if last_lines else '?'}"
+            return rows, f"exited {process.returncode}: {died_of(err.read())}"
     return rows, None
 
 

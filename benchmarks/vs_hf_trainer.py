@@ -155,13 +155,18 @@ def order(args, load: Workload, num_samples: int) -> list:
     return [idx for step in range(args.steps) for idx in sampler.micro_batches(0, step)]
 
 
+def died_of(stderr: str) -> str:
+    """What a process died of: the last error line of its stderr (progress bars left out), else its last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and "it/s]" not in line and "s/it]" not in line]
+    cause = next((line for line in reversed(lines) if "Error" in line or "error:" in line), lines[-1] if lines else "no output")
+    return cause[:300]
+
+
 class SideFailed(RuntimeError):
-    """A side's process ended without a result; ``line`` is what it died of (the last error line of its stderr)."""
+    """A side's process ended without a result; ``line`` is what it died of."""
 
     def __init__(self, side: str, code: int, stderr: str):
-        lines = [line.strip() for line in stderr.splitlines() if line.strip() and "it/s]" not in line and "s/it]" not in line]
-        cause = next((line for line in reversed(lines) if "Error" in line or "error:" in line), lines[-1] if lines else "no output")
-        self.line = f"{side} exited {code}: {cause[:300]}"
+        self.line = f"{side} exited {code}: {died_of(stderr)}"
         super().__init__(f"{self.line}\n{stderr[-3000:]}")
 
 

@@ -15,10 +15,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from litft.compiling import eager_blocks
+from litft.evaluation import stop_tokens
 
 MASK32 = 0xFFFFFFFF
-
-from litft.evaluation import stop_tokens
 
 
 class Entropy:
@@ -72,7 +71,7 @@ class GumbelSampler:
         """Gumbel noise of every row for this token, (rows, vocabulary), in float32."""
         if self.columns is None or len(self.columns) != vocabulary:
             self.columns = hash32(torch.arange(vocabulary, dtype=torch.int64, device=self.rows.device) + 0xC2B2AE35)
-        token = hash32(self.rows ^ hash32(torch.full_like(self.rows, self.step + 0x85EBCA6B)))
+        token = hash32(self.rows ^ hash32(self.rows.new_tensor(self.step + 0x85EBCA6B)))
         bits = hash32(token[:, None] ^ self.columns) >> 8  # 24 bits: exact in float32
         uniform = (bits.float() + 0.5) / 2**24
         return -torch.log(-torch.log(uniform))
@@ -136,7 +135,7 @@ class TransformersEngine(Engine):
     def sample(self, prompts: List[List[int]], count: int, seeds: List[int]) -> Tuple[List[List[List[int]]], List[List[bool]], float]:
         device = self.fabric.device
         entropy = Entropy(len(prompts) * count, self.temperature, self.stops, device)  # first: it reads the scores as the model gave them
-        rows = [seed ^ (j * 0x9E3779B97F4A7C15) & (2**64 - 1) for seed in seeds for j in range(count)]  # a seed per completion
+        rows = [seed ^ ((j * 0x9E3779B97F4A7C15) & (2**64 - 1)) for seed in seeds for j in range(count)]  # a seed per completion
         sampler = GumbelSampler(rows, self.temperature, self.top_p, device)
         ids, mask = left_padded([p for p in prompts for _ in range(count)], self.tokenizer.pad_token_id)
         out = self.generate(ids.to(device), mask.to(device), processors=[entropy, sampler])

@@ -77,14 +77,15 @@ def kept_rows(unit: torch.nn.Module, shard_mesh, expert_mesh=None) -> dict:
     share first, under expert parallel): the fill reads and converts only those."""
     kept = {}
     experts = {id(module) for module in experts_modules(unit)} if expert_mesh is not None else set()
+    if experts:
+        group, data = expert_mesh["expert"], expert_data_mesh(expert_mesh)
     for module in unit.modules():
         dealt = set(expert_tensors(module)) if id(module) in experts else set()
         for attr, param in module._parameters.items():
             if param is None or not param.is_meta or not param.dim():
                 continue
             if attr in dealt:
-                first, last = chunk_rows(param.shape[0], expert_mesh["expert"].size(), expert_mesh["expert"].get_local_rank())
-                data = expert_data_mesh(expert_mesh)
+                first, last = chunk_rows(param.shape[0], group.size(), group.get_local_rank())
                 start, stop = chunk_rows(last - first, data.size(-1), data.get_local_rank(-1))
                 kept[(id(module), attr)] = (first + start, first + stop)
             else:
@@ -168,7 +169,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         by_rows = isinstance(self.fill, Materializer) and not tensor
         for unit in shard_units(module.hf_model):
             if by_rows:
-                self.fill(unit, kept_rows(unit, options["mesh"], self.expert_mesh if expert_options is not None else None))
+                self.fill(unit, kept_rows(unit, options["mesh"], self.expert_mesh))
             else:
                 self.fill(unit)  # one full unit at a time, sharded right away
             if tensor and id(unit) in blocks:
