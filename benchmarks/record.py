@@ -194,7 +194,9 @@ def json_rows(stdout: str) -> List[dict]:
 
 def commit() -> str:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    # The record's own appends to history.jsonl are not a change to the code measured.
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/history.jsonl"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return head + ("+changes" if dirty else "")
 
 

@@ -193,7 +193,7 @@ def peer_side(script: str, raw: list, work: Path, side: str, threads: int) -> di
     """A peer's side: ``script`` run again in its own process with ``--_side side``; the result it printed after RESULT,
     with the process's peak resident memory."""
     command = [sys.executable, script, *raw, "--work_dir", str(work), "--_side", side]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     code, peak_rss, stdout, stderr = run_measured(command, work, env)
     line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
     if line is None:
