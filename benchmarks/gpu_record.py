@@ -13,12 +13,12 @@ are random-weight shapes built on the device (it has no network).
 |---|---|---|
 | 1b_full | Llama-3.2-1B shape, seq 2048, full bf16-true against HF Trainer | tok/s, MFU, speed and memory over Trainer |
 | 1b_lora | the same shape, LoRA bf16-mixed | the same |
-| 1b_fp8 | the full run with ``--fp8 tensorwise``, and with ``--compile false`` | FP8 over Trainer's bf16, what compile gives |
+| 1b_fp8 | the full run with ``--fp8 tensorwise``, with ``--compile false``, and compiled with Liger's kernels | FP8 over Trainer's bf16, what compile gives, Liger inside compiled blocks over the default |
 | moe | a Qwen3-MoE training step, grouped experts against the per-expert loop (benchmarks/moe_experts.py) | speed-up |
 | 8b_lora | Llama-3.1-8B shape, seq 4096, LoRA bf16-true, micro 1, global 8 | tok/s, MFU, speed and memory over Trainer |
 | 1b_chat | chat SFT on the 1B shape: varied lengths, prompt masked | tok/s, speed and memory over Trainer |
 | 8b_qlora | the 8B run with the base in NF4 (bitsandbytes) | tok/s, speed and memory over Trainer + bitsandbytes |
-| dpo | DPO with LoRA on the 1B shape against TRL's DPOTrainer (benchmarks/vs_trl_dpo.py) | speed and memory over TRL |
+| dpo | DPO with LoRA on the 1B shape against TRL's DPOTrainer (benchmarks/vs_trl_dpo.py); litft also with activations checkpointed, as TRL does by default | speed and memory over TRL |
 
 ``--dry`` checks the plan on the CPU in seconds: every command's flags parse with
 its script's own parser, and each group's reader turns a sample of its script's
@@ -88,6 +88,8 @@ def fp8_rows(rows: List[dict], earlier: Dict[str, float]) -> Dict[str, float]:
         figures["gpu_1b_full_fp8_vs_trainer_bf16"] = fp8 / trainer
     if full and eager:
         figures["gpu_1b_full_compile_gain"] = full / eager
+    if full and figures.get("gpu_1b_full_liger_tok_s"):
+        figures["gpu_1b_full_liger_over_default"] = figures["gpu_1b_full_liger_tok_s"] / full
     return figures
 
 
@@ -105,6 +107,10 @@ def dpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
     figures = {"gpu_dpo_tok_s": litft["tokens_per_s"]} if litft else {}
     if litft and trl:
         figures.update(gpu_dpo_vs_trl=litft["tokens_per_s"] / trl["tokens_per_s"], gpu_dpo_memory_vs_trl=litft["peak_gb"] / trl["peak_gb"])
+    checkpointed = by_side.get("litft-checkpointed")
+    if checkpointed and trl:  # TRL's DPOConfig checkpoints activations by default: the two at one memory policy
+        figures.update(gpu_dpo_checkpointed_vs_trl=checkpointed["tokens_per_s"] / trl["tokens_per_s"],
+                       gpu_dpo_checkpointed_memory_vs_trl=checkpointed["peak_gb"] / trl["peak_gb"])
     return figures
 
 
@@ -123,13 +129,15 @@ def _vs(runs: str, *more: str, steps: int = 8) -> List[str]:
 
 
 # Lengths measured on one H100 (2026-11-27): 1b-full litft 49 s + Trainer 20 s; 1b-lora 37 + 27 s; FP8 56 s; the MoE step 19 s.
+# On one H200 (the same day): 1b_full 85 s, 1b_lora 77, 1b_fp8 114 (two sides), moe 17, 8b_lora 124, 1b_chat 99, dpo 96.
 GROUPS = {
     "1b_full": Group(VS, _vs("1b-full", "--sides", "litft,trainer"), 85, trainer_rows,
                      sample=(_trainer_line("1b-full", "litft", 60000.0), _trainer_line("1b-full", "trainer", 48000.0, 1.25))),
     "1b_lora": Group(VS, _vs("1b-lora", "--sides", "litft,trainer"), 70, trainer_rows,
                      sample=(_trainer_line("1b-lora", "litft", 60000.0), _trainer_line("1b-lora", "trainer", 38000.0, 1.6))),
-    "1b_fp8": Group(VS, _vs("1b-full", "--sides", "litft-fp8,litft-eager"), 100, fp8_rows, needs=("torchao",),
-                    sample=(_trainer_line("1b-full", "litft-fp8", 70000.0), _trainer_line("1b-full", "litft-eager", 50000.0))),
+    "1b_fp8": Group(VS, _vs("1b-full", "--sides", "litft-fp8,litft-eager,litft-liger"), 150, fp8_rows, needs=("torchao",),
+                    sample=(_trainer_line("1b-full", "litft-fp8", 70000.0), _trainer_line("1b-full", "litft-eager", 50000.0),
+                            _trainer_line("1b-full", "litft-liger", 57000.0))),
     "moe": Group("moe_experts.py", ["--device", "cuda", "--tokens", "8192", "--steps", "5"], 25, moe_rows,
                  sample=(json.dumps({"experts": "eager", "tokens_per_s": 60000.0}), json.dumps({"experts": "grouped_mm", "tokens_per_s": 300000.0}))),
     "8b_lora": Group(VS, _vs("8b-lora", "--seq_len", "4096", "--sides", "litft,trainer", steps=5), 150, trainer_rows,
@@ -138,10 +146,11 @@ GROUPS = {
                      sample=(_trainer_line("1b-chat", "litft", 18000.0), _trainer_line("1b-chat", "trainer", 7000.0, 2.5))),
     "8b_qlora": Group(VS, _vs("8b-qlora", "--seq_len", "4096", "--sides", "litft,trainer", steps=6), 200, trainer_rows,
                       needs=("bitsandbytes",), sample=(_trainer_line("8b-qlora", "litft", 12000.0), _trainer_line("8b-qlora", "trainer", 7000.0, 1.7))),
-    "dpo": Group("vs_trl_dpo.py", ["--accelerator", "cuda", "--sides", "litft,trl", "--steps", "10", "--micro_batch", "8", "--global_batch", "32"],
-                 150, dpo_rows, needs=("trl",),
+    "dpo": Group("vs_trl_dpo.py", ["--accelerator", "cuda", "--sides", "litft,trl,litft-checkpointed", "--steps", "10", "--micro_batch", "8",
+                                   "--global_batch", "32"], 140, dpo_rows, needs=("trl",),
                  sample=(json.dumps({"side": "litft", "tokens_per_s": 30000.0, "peak_gb": 10.0}),
-                         json.dumps({"side": "trl", "tokens_per_s": 15000.0, "peak_gb": 20.0}))),
+                         json.dumps({"side": "trl", "tokens_per_s": 15000.0, "peak_gb": 20.0}),
+                         json.dumps({"side": "litft-checkpointed", "tokens_per_s": 24000.0, "peak_gb": 6.0}))),
 }
 
 

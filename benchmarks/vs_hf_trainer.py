@@ -15,7 +15,8 @@ process, one at a time, with the same number of torch threads:
 - ``litft-<change>``: litft with one of its speed changes undone or one more made, to
   show what each gives: ``padded`` (padded batches, SDPA), ``plain-loss`` (the head
   and the loss over every token), ``compiled`` (``--compile true``), ``eager``
-  (``--compile false``), ``fp8`` (``--fp8 tensorwise``).
+  (``--compile false``), ``fp8`` (``--fp8 tensorwise``), ``liger`` (``--kernels liger``: Liger's
+  kernels inside compiled blocks, which ``auto`` leaves out).
 
 Printed per side: real (unpadded) tokens/s over the steps after the first
 ``--skip`` (so loading and compilation are left out), and the process's peak
@@ -55,7 +56,7 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "BENCH-RESULT "
-SIDES = ("litft", "trainer", "trainer-best", "litft-padded", "litft-plain-loss", "litft-compiled", "litft-eager", "litft-fp8")
+SIDES = ("litft", "trainer", "trainer-best", "litft-padded", "litft-plain-loss", "litft-compiled", "litft-eager", "litft-fp8", "litft-liger")
 WORDS = "apple river stone cloud garden silver paper window forest candle bridge harbor meadow lantern orbit violet".split()
 
 
@@ -236,6 +237,8 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
         flags += ["--compile", "false"]
     if change == "fp8":
         flags += ["--fp8", "tensorwise"]
+    if change == "liger":
+        flags += ["--kernels", "liger"]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     code, _, _, stderr = run_measured([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], work, env)
     if code != 0:

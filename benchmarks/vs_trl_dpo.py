@@ -9,7 +9,9 @@ fresh process with the same number of torch threads:
 - ``litft``: ``litft finetune_lora --objective dpo`` at its defaults (a pair's two
   sequences in one padding-free row, log-probs from the target-only head);
 - ``trl``: ``trl.DPOTrainer`` at the defaults a user takes (padded batches);
-- ``trl-padding-free``: DPOTrainer with ``padding_free=True``.
+- ``trl-padding-free``: DPOTrainer with ``padding_free=True``;
+- ``litft-checkpointed``: litft with ``--train.gradient_checkpointing true``, as TRL's
+  DPOConfig does by default (litft does not): the two at one memory policy.
 
 The pairs ask the model to reverse 2 to 60 words: the chosen answer is the reversal,
 the rejected one has two words swapped, so lengths vary about 30-fold. Printed per
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from vs_hf_trainer import RESULT, WORDS, peer_side, run_litft, smollm2_folder, steady_rates  # noqa: E402
 
-SIDES = ("litft", "trl", "trl-padding-free")
+SIDES = ("litft", "trl", "trl-padding-free", "litft-checkpointed")
 
 
 def parse_args(argv=None):
@@ -93,8 +95,8 @@ def step_orders(args, num_pairs: int) -> list:
     return [[i for micro in order.micro_batches(0, step) for i in micro] for step in range(args.steps)]
 
 
-def litft_side(args, model: Path, work: Path) -> dict:
-    out = work / "run-litft"  # not "litft": python -m litft runs in work
+def litft_side(args, model: Path, work: Path, checkpointed: bool = False) -> dict:
+    out = work / ("run-litft-checkpointed" if checkpointed else "run-litft")  # not "litft": python -m litft runs in work
     flags = [
         "finetune_lora", str(model), "--objective", "dpo", "--data", "Preferences", "--data.path", str(work / "pairs.jsonl"),
         "--data.val_split_fraction", "0", "--data.max_seq_length", "1024", "--precision", precision(args), "--accelerator", args.accelerator,
@@ -102,6 +104,7 @@ def litft_side(args, model: Path, work: Path) -> dict:
         "--train.warmup_steps", "1", "--train.save_interval", "null", "--train.learning_rate", "5e-5", "--lora_r", "8", "--lora_alpha", "16",
         "--lora_dropout", "0", "--export", "none", "--eval.initial_validation", "false", "--eval.final_validation", "false",
         "--seed", str(args.seed), "--out_dir", str(out), "--overwrite", "true", "--logger_name", "csv",
+        "--train.gradient_checkpointing", str(checkpointed).lower(),
     ]
     peak_rss = run_litft(flags, work, args.threads)
     rows, rates = steady_rates(out, args.skip)
@@ -174,16 +177,16 @@ def main(argv=None) -> None:
         (work / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in pair_records(args.pairs, args.seed)) + "\n")
     results = {}
     for side in args.sides.split(","):
-        if side == "litft":
-            results[side] = litft_side(args, model, work)
+        if side.startswith("litft"):
+            results[side] = litft_side(args, model, work, checkpointed=side == "litft-checkpointed")
         else:
             results[side] = peer_side(__file__, raw, work, side, args.threads)
         print(json.dumps({"side": side, **results[side]}), flush=True)
-    if "litft" in results:
+    for ours, mine in results.items():
         for side, result in results.items():
-            if side != "litft":
-                print(f"litft over {side}: {results['litft']['tokens_per_s'] / result['tokens_per_s']:.2f}x tokens/s, "
-                      f"{results['litft']['peak_gb'] / result['peak_gb']:.2f}x peak memory")
+            if ours.startswith("litft") and not side.startswith("litft"):
+                print(f"{ours} over {side}: {mine['tokens_per_s'] / result['tokens_per_s']:.2f}x tokens/s, "
+                      f"{mine['peak_gb'] / result['peak_gb']:.2f}x peak memory")
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ FP8 = Flag(
 )
 KERNELS = Flag(
     "kernels", Literal["auto", "liger", "none"], "auto",
-    "Fused Triton kernels of liger-kernel for RMSNorm, RoPE and SwiGLU (pip install 'litft[kernels]'): auto uses them on a GPU where installed.",
+    "Fused Triton kernels of liger-kernel for RMSNorm, RoPE and SwiGLU (pip install 'litft[kernels]'): auto uses them on a GPU where installed and the blocks are not compiled (compiled blocks fuse the same ops themselves).",
 )
 QUANTIZE = Flag("quantize", Optional[Quantize], None, "Load the frozen base in 4 bits with bitsandbytes (QLoRA); -dq also quantizes the scales.")
 LORA_R = Flag("lora_r", int, 8, "Rank of the adapters.")

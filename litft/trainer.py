@@ -18,7 +18,7 @@ from lightning_fabric.plugins.environments import LightningEnvironment
 
 from litft.attention import PACKED_SAFE
 from litft.attention import choose as choose_attention
-from litft.kernels import choose_kernels
+from litft.kernels import choose_kernels, describe_kernels
 from litft.attention import describe as describe_attention
 from litft.build import build_module
 from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
@@ -178,10 +178,12 @@ class Trainer:
         if carries_state(self.config):
             fabric.print(describe_recurrent(self.config))
         fabric.print(self.compiling.line())
+        liger = choose_kernels(spec.kernels, fabric.device.type, self.compiling.enabled)
+        fabric.print(describe_kernels(spec.kernels, liger, self.compiling.enabled))
         self.lm, fill, on_device = build_module(
             source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed,
             device=fabric.device, strategy=self.strategy, attention=attention, compile=self.compiling.enabled, fp8=spec.fp8, config=self.config,
-            liger=choose_kernels(spec.kernels, fabric.device.type), objective=spec.objective,
+            liger=liger, objective=spec.objective,
         )
         if spec.fp8 is not None:
             fabric.print(describe_fp8(spec.fp8, self.lm.model.fp8_layers, self.lm.hf_model))
