@@ -162,7 +162,13 @@ class CausalLM(torch.nn.Module):
         self.objective = objective if isinstance(objective, Objective) else build_objective(objective or ObjectiveArgs(), hasattr(model, "disable_adapter"))
         self.compiled_kinds = 0  # kinds of block compiled (litft.compiling), the first compile of each not a recompile
         self.router_aux: list = []  # this step's router load-balancing losses (MoE), read and cleared by the loop
-        self.whole_rows = carries_state(self.hf_model.config)  # one sample per padded row, never packed (litft.recurrent)
+        self.whole_rows = carries_state(self.hf_model.config)  # one sample per padded row (litft.recurrent)
+        self.state_boundaries = False  # packed rows, the state layers' kernels told where each sample starts (seq_idx)
+
+    def keep_samples_apart_in_kernels(self, on: bool) -> None:
+        """Pack a state-carrying model's rows, its kernels restarting at each sample (litft.recurrent.boundary_kernels)."""
+        self.state_boundaries = on and carries_state(self.hf_model.config)
+        self.whole_rows = carries_state(self.hf_model.config) and not self.state_boundaries
 
     @property
     def hf_model(self) -> torch.nn.Module:
@@ -186,6 +192,12 @@ class CausalLM(torch.nn.Module):
             # layers would read cu_seq_lens as packed samples.
             position_ids = None
             extra = {"litft_cu": varlen["cu_seq_lens_q"], "litft_longest": varlen["max_length_q"], "litft_bounds": varlen["litft_bounds"]}
+        if self.state_boundaries and varlen is not None:
+            # Each token's sample, for mamba-ssm's and causal-conv1d's seq_idx (fla's gated delta rule reads cu_seq_lens_q);
+            # a model without attention (Mamba2) has no attention implementation to say its rows are packed.
+            cu = varlen["cu_seq_lens_q"].to(input_ids.device)
+            extra = {**varlen, "seq_idx": torch.repeat_interleave(
+                torch.arange(len(cu) - 1, device=cu.device, dtype=torch.int32), torch.diff(cu), output_size=input_ids.numel()).reshape(input_ids.shape)}
         if implementation != SEGMENTS:
             extra = {key: value for key, value in extra.items() if not key.startswith("litft_")}
         with packed_rows_known() if extra else contextlib.nullcontext():

@@ -7,13 +7,23 @@ so every sample starts from the layer's initial state and its padding comes afte
 it, where nothing that carries loss reads it. The packed rows of attention-only
 models stay as they are. Which model types take this path was checked against
 transformers' own forward (tests/architectures.py); others that carry state are
-refused in one line. Packing with per-sample boundaries is not used yet, even where
-the CUDA kernels take them: each kind of layer takes its own (the gated delta rule
-``cu_seq_lens``, causal-conv1d ``seq_idx``, the PyTorch paths none), unchecked on a GPU.
+refused in one line.
+
+Where the model's CUDA kernels keep the samples of a row apart themselves
+(:data:`BOUNDARY_KERNELS`: mamba-ssm's scans and causal-conv1d restart at each
+change of ``seq_idx``, fla's gated delta rule at each start in ``cu_seqlens``),
+rows are packed as for attention-only models and those boundaries are passed on.
+That needs a transformers that hands them to the kernels (5.24 on; its PyTorch
+path refuses them) and every kernel package installed and running on the run's
+device. The CPU tests put stand-ins of the three packages in their place
+(tests/state_kernel_standins).
 """
 
+import functools
+import importlib
 import importlib.util
-from typing import List
+import inspect
+from typing import List, Optional, Tuple
 
 from litft.errors import LitftError
 
@@ -30,6 +40,17 @@ CHECKED = ("mamba", "mamba2", "falcon_mamba", "falcon_h1", "bamba", "granitemoeh
            "recurrent_gemma", "rwkv", "zaya")
 # The packages whose CUDA kernels transformers uses for these layers when they are installed (the PyTorch reference otherwise).
 KERNEL_PACKAGES = {"mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d", "fla": "flash-linear-attention"}
+# Model types whose every state layer takes per-sample boundaries in its kernels, and the packages those kernels come from:
+# Mamba2 mixers (conv1d and the chunked scan, fused or not: seq_idx) and gated delta rules (the conv's seq_idx, the rule's
+# cu_seqlens from cu_seq_lens_q). Each is checked against transformers' forward of one sample at a time
+# (tests/unit/test_state_kernels.py). Mamba1's kernels, short convolutions and the other recurrences take none, and
+# Mamba2ForCausalLM does not hand its keyword arguments to its backbone (transformers 5.24), so no seq_idx reaches them.
+MAMBA2 = ("mamba_ssm", "causal_conv1d")
+DELTA_RULE = ("fla", "causal_conv1d")
+BOUNDARY_KERNELS = {
+    **dict.fromkeys(("falcon_h1", "bamba", "granitemoehybrid", "zamba2", "nemotron_h"), MAMBA2),
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"), DELTA_RULE),
+}
 
 
 def text_config(config):
@@ -75,10 +96,46 @@ def installed_kernels() -> List[str]:
     return [dist for module, dist in KERNEL_PACKAGES.items() if importlib.util.find_spec(module) is not None]
 
 
-def describe(config) -> str:
+@functools.lru_cache(maxsize=None)
+def transformers_passes_boundaries() -> bool:
+    """Whether this transformers hands seq_idx and cu_seqlens to installed state kernels (and refuses them on its PyTorch
+    path): read once from its kernel dispatch, which 5.24 added."""
+    try:
+        from transformers.integrations import hub_kernels
+
+        return "seq_idx" in inspect.getsource(hub_kernels.use_kernel_func_from_hub_with_fallback)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return False
+
+
+def kernel_device(package: str) -> Optional[str]:
+    """Where an installed kernel package runs ("cuda" for the real ones; a stand-in names its own), or None if absent."""
+    if importlib.util.find_spec(package) is None:
+        return None
+    return getattr(importlib.import_module(package), "litft_device_type", "cuda")
+
+
+def boundary_kernels(config, device_type: str) -> Tuple[str, ...]:
+    """The kernel packages that keep packed samples apart in this model's state layers on ``device_type``; empty where
+    they are not all there (rows are then a sample each)."""
+    packages = BOUNDARY_KERNELS.get(text_config(config).model_type, ())
+    if not packages or not transformers_passes_boundaries():
+        return ()
+    return packages if all(kernel_device(package) == device_type for package in packages) else ()
+
+
+def describe(config, packed_by: Tuple[str, ...] = ()) -> str:
     """The first screen's line for a state-carrying model: how its rows are laid out, and which kernels run its layers."""
+    model_type, layer = text_config(config).model_type, state_layers(config)[0]
+    if packed_by:
+        names = ", ".join(KERNEL_PACKAGES[p] for p in packed_by)
+        return f"rows: packed; {model_type}'s layers that carry state ({layer}) restart at each sample through {names} (seq_idx, cu_seqlens)"
     kernels = installed_kernels()
     found = (f"{', '.join(kernels)} installed (transformers runs them on a GPU)" if kernels
              else "PyTorch reference path (mamba-ssm, causal-conv1d, flash-linear-attention not installed)")
-    return (f"rows: one sample per right-padded row, since {text_config(config).model_type}'s layers carry state from token to token "
-            f"({state_layers(config)[0]}); recurrent kernels: {found}")
+    why = ""
+    if model_type in BOUNDARY_KERNELS:
+        needed = ", ".join(KERNEL_PACKAGES[p] for p in BOUNDARY_KERNELS[model_type])
+        why = f"; packed rows need {needed} on a GPU" + ("" if transformers_passes_boundaries() else " and transformers >= 5.24")
+    return (f"rows: one sample per right-padded row, since {model_type}'s layers carry state from token to token "
+            f"({layer}){why}; recurrent kernels: {found}")

@@ -42,7 +42,7 @@ from litft.fp8 import describe as describe_fp8
 from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
-from litft.recurrent import carries_state, describe as describe_recurrent
+from litft.recurrent import boundary_kernels, carries_state, describe as describe_recurrent
 from litft.model import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
 from litft.parallel.context import check_context_parallel
 from litft.parallel.expert import check_expert_parallel
@@ -110,9 +110,10 @@ class Trainer:
                   tensor_parallel=layout.tensor_parallel)
         config = load_config(resolve_model(spec.model))  # the model's description, read once: every check and the build take it
         check_architecture(config)  # before any process starts
-        if carries_state(config) and getattr(spec.data, "packing", False):
+        if carries_state(config) and getattr(spec.data, "packing", False) and not boundary_kernels(config, accelerator):
             raise LitftError(f"--data.packing puts several samples in one row, and {config.model_type}'s state-carrying layers would carry "
-                             "one sample's state into the next; drop --data.packing (litft trains these models a sample per padded row)")
+                             "one sample's state into the next; drop --data.packing (litft trains these models a sample per padded row "
+                             "unless their kernels take per-sample boundaries: litft.recurrent)")
         if layout.context_parallel > 1:
             check_context_parallel(config, layout.context_parallel)
         if layout.expert_parallel > 1:
@@ -175,8 +176,9 @@ class Trainer:
         fabric.seed_everything(spec.seed, verbose=False)
         attention = self.attention
         fabric.print(describe_attention(attention, fabric.device.type, self.precision))
+        packed_by = boundary_kernels(self.config, fabric.device.type) if carries_state(self.config) else ()
         if carries_state(self.config):
-            fabric.print(describe_recurrent(self.config))
+            fabric.print(describe_recurrent(self.config, packed_by))
         fabric.print(self.compiling.line())
         liger = choose_kernels(spec.kernels, fabric.device.type, self.compiling.enabled)
         fabric.print(describe_kernels(spec.kernels, liger, self.compiling.enabled))
@@ -212,6 +214,7 @@ class Trainer:
             fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
         self.start_step = self.stops.start_step = self.state.step
         # Samples end to end in one row, no padding computed; a sample per row where layers carry state (litft.recurrent).
+        self.lm.keep_samples_apart_in_kernels(bool(packed_by))
         self.padding_free = self.attention in PACKED_SAFE and not self.lm.whole_rows
         self.lm.objective.prepare(self, resume_from if position is not None else None)  # a reference's scores, where it needs them
         train = spec.train

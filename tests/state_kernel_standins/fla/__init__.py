@@ -1,0 +1,6 @@
+"""Stand-in for flash-linear-attention's gated delta rule (tests/state_kernel_standins/README.md)."""
+
+from collections import Counter
+
+litft_device_type = "cpu"
+calls = Counter()  # calls told where samples start, by function, for the tests to read
