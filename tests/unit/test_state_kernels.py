@@ -97,6 +97,24 @@ def test_a_packed_job_trains_and_says_how_rows_are_laid_out(packed):
     assert "rows: packed; granitemoehybrid's layers that carry state" in stdout and "mamba-ssm, causal-conv1d" in stdout
 
 
+def test_packed_rows_under_fsdp_match_one_process(packed, tmp_path):
+    """Two FSDP ranks on packed rows (their kernels told where samples start) against one process on the same global batch."""
+    from tests.conftest import step_losses
+
+    folders = packed[0]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(STANDINS)]))
+    common = [sys.executable, "-m", "litft", "finetune_full", folders["qwen3-next"], "--data", "TinyTasks", "--data.num_train", "32",
+              "--data.num_val", "8", "--train.global_batch_size", "8", "--train.micro_batch_size", "4", "--train.max_steps", "3",
+              "--train.learning_rate", "3e-3", "--train.warmup_steps", "1", "--eval.interval", "0", "--eval.initial_validation", "false",
+              "--eval.final_validation", "false", "--precision", "32-true", "--accelerator", "cpu", "--logger_name", "csv"]
+    for name, more in (("single", []), ("fsdp", ["--strategy", "fsdp", "--devices", "2"])):
+        done = subprocess.run([*common, *more, "--out_dir", str(tmp_path / name)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "rows: packed; qwen3_next's layers" in done.stdout
+    expected, got = step_losses(tmp_path / "single"), step_losses(tmp_path / "fsdp")
+    assert len(got) == len(expected) == 3 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
+
+
 def test_without_the_kernels_rows_stay_a_sample_each():
     """Here no kernel package is installed: no boundaries, and the first screen says what packing would need."""
     config = next(a for a in PACKED if a.name == "qwen3-next").build()
