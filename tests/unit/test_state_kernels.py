@@ -46,11 +46,16 @@ def packed_in_child(folders: dict, out: Path, job_folder: Path) -> None:
             package.calls.clear()
         lm = as_litft_builds_it(Path(folder))
         lm.keep_samples_apart_in_kernels(True)
-        loss = lm.loss_sum(collate(pack(samples(), max_length=64), pad_id=0, padding_free=True))
+        batch = collate(pack(samples(), max_length=64), pad_id=0, padding_free=True)
+        loss = lm.loss_sum(batch)
         loss.backward()
         grads = {n: p.grad for n, p in lm.hf_model.named_parameters() if p.grad is not None}
         calls = {**causal_conv1d.calls, **fla.calls, **mamba_ssm.calls}
-        results[name] = {"loss": loss.item(), "grads": grads, "calls": calls, "whole_rows": lm.whole_rows}
+        with torch.no_grad():  # evaluation: Mamba2 mixers take their unfused path (the convolution, then the scan)
+            evaluated = lm.eval().loss_sum(batch).item()
+        eval_calls = {**causal_conv1d.calls, **fla.calls, **mamba_ssm.calls}
+        results[name] = {"loss": loss.item(), "grads": grads, "calls": calls, "whole_rows": lm.whole_rows, "eval_loss": evaluated,
+                         "eval_calls": {k: v - calls.get(k, 0) for k, v in eval_calls.items()}}
     torch.save(results, out)
     run = JOBS["finetune_lora"](str(job_folder), out_dir=out.parent / "job", data=TinyTasks(num_train=16, num_val=4, packing=True),
                                 train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=2, save_interval=None),
@@ -89,6 +94,9 @@ def test_packed_rows_equal_transformers_a_sample_at_a_time(architecture, packed)
             assert got["calls"].get(KERNEL_CALLS[package], 0) > 0, got["calls"]
     if packages == DELTA_RULE:  # the gated delta rule's convolution is its own call (Mamba2's is fused into the scan)
         assert got["calls"].get("causal_conv1d_fn", 0) > 0, got["calls"]
+    # Evaluation's forward (unfused for Mamba2 mixers) keeps the samples apart too.
+    assert abs(got["eval_loss"] - expected.item()) <= 1e-5 * abs(expected.item()), (got["eval_loss"], expected.item())
+    assert got["eval_calls"].get("causal_conv1d_fn", 0) > 0, got["eval_calls"]
 
 
 def test_a_packed_job_trains_and_says_how_rows_are_laid_out(packed):
