@@ -46,6 +46,7 @@ import importlib.util
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -107,6 +108,8 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work_dir", type=Path, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--litft_flags", default="", help='more flags for every litft side, e.g. "--profile true" (its tables land in '
+                        "the side's out_dir/logs/profile, and its path is printed)")
     return parser.parse_args(argv)
 
 
@@ -239,13 +242,15 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
         flags += ["--fp8", "tensorwise"]
     if change == "liger":
         flags += ["--kernels", "liger"]
+    flags += shlex.split(args.litft_flags)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     code, _, _, stderr = run_measured([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], work, env)
     if code != 0:
         raise SideFailed(f"litft {change}".strip(), code, stderr)
     rows, rates = steady_rates(out, args.skip)
     # The process's peak as of its last step: loading included, the end-of-run export (the Trainer side saves nothing) left out.
-    return {**rates, "peak_gb": max(r["peak_memory_gb"] for r in rows), "steps": len(rows)}
+    profiled = {"profile": str(out / "logs" / "profile")} if (out / "logs" / "profile").is_dir() else {}
+    return {**rates, "peak_gb": max(r["peak_memory_gb"] for r in rows), "steps": len(rows), **profiled}
 
 
 def steady_rates(out: Path, skip: int):
