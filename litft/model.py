@@ -192,9 +192,8 @@ class CausalLM(torch.nn.Module):
             # layers would read cu_seq_lens as packed samples.
             position_ids = None
             extra = {"litft_cu": varlen["cu_seq_lens_q"], "litft_longest": varlen["max_length_q"], "litft_bounds": varlen["litft_bounds"]}
-        if self.state_boundaries and varlen is not None:
-            # Each token's sample, for mamba-ssm's and causal-conv1d's seq_idx (fla's gated delta rule reads cu_seq_lens_q);
-            # a model without attention (Mamba2) has no attention implementation to say its rows are packed.
+        if self.state_boundaries and varlen is not None and implementation in PACKED_SAFE:
+            # Each token's sample, for mamba-ssm's and causal-conv1d's seq_idx (fla's gated delta rule reads cu_seq_lens_q).
             cu = varlen["cu_seq_lens_q"].to(input_ids.device)
             extra = {**varlen, "seq_idx": torch.repeat_interleave(
                 torch.arange(len(cu) - 1, device=cu.device, dtype=torch.int32), torch.diff(cu), output_size=input_ids.numel()).reshape(input_ids.shape)}

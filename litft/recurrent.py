@@ -108,18 +108,39 @@ def transformers_passes_boundaries() -> bool:
         return False
 
 
+# Where transformers finds each kernel in its package, and the keyword that carries the boundaries: transformers hands a
+# kernel only the keywords its signature names, so a release without that keyword would drop them without a word.
+BOUNDARY_FUNCTIONS = {
+    "mamba_ssm": ("ops.triton.ssd_combined", ("mamba_split_conv1d_scan_combined", "mamba_chunk_scan_combined"), "seq_idx"),
+    "causal_conv1d": ("", ("causal_conv1d_fn",), "seq_idx"),
+    "fla": ("ops.gated_delta_rule", ("chunk_gated_delta_rule",), "cu_seqlens"),
+}
+
+
 def kernel_device(package: str) -> Optional[str]:
-    """Where an installed kernel package runs ("cuda" for the real ones; a stand-in names its own), or None if absent."""
+    """Where an installed kernel package runs ("cuda" for the real ones; a stand-in names its own), or None where it is
+    absent, fails to import, or one of its kernels does not take per-sample boundaries."""
     if importlib.util.find_spec(package) is None:
         return None
-    return getattr(importlib.import_module(package), "litft_device_type", "cuda")
+    where, functions, keyword = BOUNDARY_FUNCTIONS[package]
+    try:  # a build for another CUDA or torch fails here, as it would in transformers' own import
+        root = importlib.import_module(package)
+        module = importlib.import_module(f"{package}.{where}") if where else root
+        if not all(keyword in inspect.signature(getattr(module, name)).parameters for name in functions):
+            return None
+    except Exception:
+        return None
+    return getattr(root, "litft_device_type", "cuda")
 
 
-def boundary_kernels(config, device_type: str) -> Tuple[str, ...]:
+def boundary_kernels(config, device_type: str, attention: Optional[str] = None) -> Tuple[str, ...]:
     """The kernel packages that keep packed samples apart in this model's state layers on ``device_type``; empty where
-    they are not all there (rows are then a sample each)."""
+    they are not all there, or where ``attention`` (the run's implementation) does not keep packed samples apart itself:
+    rows are then a sample each."""
+    from litft.attention import PACKED_SAFE
+
     packages = BOUNDARY_KERNELS.get(text_config(config).model_type, ())
-    if not packages or not transformers_passes_boundaries():
+    if not packages or not transformers_passes_boundaries() or (attention is not None and attention not in PACKED_SAFE):
         return ()
     return packages if all(kernel_device(package) == device_type for package in packages) else ()
 

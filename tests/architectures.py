@@ -212,7 +212,7 @@ def table() -> str:
     from litft.model import check_architecture
     from litft.parallel.context import check_context_parallel
     from litft.parallel.tensor import check_tensor_parallel
-    from litft.recurrent import carries_state
+    from litft.recurrent import BOUNDARY_KERNELS, KERNEL_PACKAGES, carries_state
 
     def verdict(check, config) -> str:
         try:
@@ -232,6 +232,9 @@ def table() -> str:
             rows.append(f"| {a.name} (`{a.config}`) | {a.features} | refused: {str(err).split(': ', 1)[-1].split(';')[0]} | | | |")
             continue
         rows_are = "no: a sample per padded row (state)" if carries_state(config) else "yes"
+        packages = BOUNDARY_KERNELS.get(config.get_text_config().model_type)
+        if packages:
+            rows_are = f"with {' and '.join(KERNEL_PACKAGES[p] for p in packages)} installed; else a sample per padded row"
         rows.append(f"| {a.name} (`{a.config}`) | {a.features or '-'} | {attention_path(a)} | {rows_are} | {verdict(check_context_parallel, config)} | "
                     f"{verdict(check_tensor_parallel, config)} |")
     return "\n".join(rows)

@@ -57,6 +57,11 @@ def packed_in_child(folders: dict, out: Path, job_folder: Path) -> None:
         results[name] = {"loss": loss.item(), "grads": grads, "calls": calls, "whole_rows": lm.whole_rows, "eval_loss": evaluated,
                          "eval_calls": {k: v - calls.get(k, 0) for k, v in eval_calls.items()}}
     torch.save(results, out)
+    from litft.recurrent import boundary_kernels
+
+    config = as_litft_builds_it(Path(folders["qwen3-next"])).hf_model.config
+    (out.parent / "choices.json").write_text(json.dumps({attention: list(boundary_kernels(config, "cpu", attention))
+                                                          for attention in ("litft_segments", "sdpa", "eager")}))
     run = JOBS["finetune_lora"](str(job_folder), out_dir=out.parent / "job", data=TinyTasks(num_train=16, num_val=4, packing=True),
                                 train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=2, save_interval=None),
                                 eval=EvalArgs(interval=10**6, initial_validation=False), accelerator="cpu", logger_name="csv")
@@ -99,6 +104,12 @@ def test_packed_rows_equal_transformers_a_sample_at_a_time(architecture, packed)
     assert got["eval_calls"].get("causal_conv1d_fn", 0) > 0, got["eval_calls"]
 
 
+def test_attention_that_cannot_keep_packed_samples_apart_keeps_rows_a_sample_each(packed):
+    """With the kernels there, --attn_implementation sdpa or eager still pads: their attention would cross samples."""
+    choices = json.loads((Path(packed[0]["qwen3-next"]).parent / "choices.json").read_text())
+    assert choices == {"litft_segments": ["fla", "causal_conv1d"], "sdpa": [], "eager": []}
+
+
 def test_a_packed_job_trains_and_says_how_rows_are_laid_out(packed):
     _, _, job, stdout = packed
     assert len(job["losses"]) == 2 and all(torch.isfinite(torch.tensor(job["losses"])))
@@ -125,7 +136,11 @@ def test_packed_rows_under_fsdp_match_one_process(packed, tmp_path):
 
 def test_without_the_kernels_rows_stay_a_sample_each():
     """Here no kernel package is installed: no boundaries, and the first screen says what packing would need."""
+    import importlib.util
+
     config = next(a for a in PACKED if a.name == "qwen3-next").build()
-    assert boundary_kernels(config, "cpu") == () and boundary_kernels(config, "cuda") == ()
+    assert boundary_kernels(config, "cpu") == ()
+    if not any(importlib.util.find_spec(package) for package in ("fla", "causal_conv1d")):
+        assert boundary_kernels(config, "cuda") == ()
     line = describe(config)
     assert "one sample per right-padded row" in line and "packed rows need flash-linear-attention, causal-conv1d on a GPU" in line

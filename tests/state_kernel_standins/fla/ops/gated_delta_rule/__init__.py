@@ -15,7 +15,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if initial_state is not None or output_final_state:
         raise NotImplementedError("the stand-in runs training's forward only")
     if cu_seqlens is not None and q.shape[0] != 1:
-        raise ValueError("cu_seqlens needs a batch of one row")
+        raise ValueError("The batch size is expected to be 1 rather than {} when using `cu_seqlens`".format(q.shape[0]))
     calls["chunk_gated_delta_rule"] += cu_seqlens is not None
     heads = v.shape[2]
     q, k = (t.float().repeat_interleave(heads // t.shape[2], dim=2) for t in (q, k))

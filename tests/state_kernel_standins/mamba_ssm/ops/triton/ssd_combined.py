@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from causal_conv1d import causal_conv1d_fn
+from causal_conv1d import causal_conv1d_fn, check_seq_idx
 from mamba_ssm import calls
 
 
@@ -18,6 +18,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         raise NotImplementedError("the stand-in runs training's forward only")
     calls["mamba_chunk_scan_combined"] += seq_idx is not None
     batch, length, heads, dim = x.shape
+    if seq_idx is not None:
+        check_seq_idx(seq_idx, batch, length)
     groups = B.shape[2]
     dt = dt.float()
     if dt_bias is not None:
@@ -50,6 +52,8 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
                                      ngroups=1, norm_before_gate=True):
     """The fused Mamba2 mixer after its input projection: convolution, scan, gated RMSNorm by group, output projection."""
     calls["mamba_split_conv1d_scan_combined"] += seq_idx is not None
+    if seq_idx is not None:
+        check_seq_idx(seq_idx, *zxbcdt.shape[:2])
     heads = D.shape[0]
     headdim = headdim if D.dim() == 1 else D.shape[1]
     width = heads * headdim
