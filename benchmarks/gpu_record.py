@@ -19,6 +19,7 @@ are random-weight shapes built on the device (it has no network).
 | 1b_chat | chat SFT on the 1B shape: varied lengths, prompt masked | tok/s, speed and memory over Trainer |
 | 8b_qlora | the 8B run with the base in NF4 (bitsandbytes) | tok/s, speed and memory over Trainer + bitsandbytes |
 | dpo | DPO with LoRA on the 1B shape against TRL's DPOTrainer (benchmarks/vs_trl_dpo.py); litft also with activations checkpointed, as TRL does by default | speed and memory over TRL |
+| grpo | GRPO with LoRA on the 1B shape against TRL's GRPOTrainer (benchmarks/vs_trl_grpo.py): 16 prompts x 8 completions of up to 128 tokens a step | steps/s and memory over TRL, each side as it comes and with litft's activations checkpointed |
 
 ``--dry`` checks the plan on the CPU in seconds: every command's flags parse with
 its script's own parser, and each group's reader turns a sample of its script's
@@ -114,6 +115,21 @@ def dpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
     return figures
 
 
+def grpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
+    """Steps per second over TRL's (the sides sample their own completions, so a step's tokens differ a little) and memory."""
+    by_side = {row["side"]: row for row in rows if "s_per_step" in row}
+    trl = by_side.get("trl")
+    figures = {}
+    for side, name in (("litft", "gpu_grpo"), ("litft-checkpointed", "gpu_grpo_checkpointed")):
+        ours = by_side.get(side)
+        if ours:
+            figures[f"{name}_tok_s"] = ours["tokens_per_s"]
+        if ours and trl:
+            figures[f"{name}_vs_trl"] = trl["s_per_step"] / ours["s_per_step"]
+            figures[f"{name}_memory_vs_trl"] = ours["peak_gb"] / trl["peak_gb"]
+    return figures
+
+
 def _trainer_line(run: str, side: str, speed: float, over: Optional[float] = None) -> str:
     row = {"run": run, "side": side, "tokens_per_s": speed, "mfu": 0.4, "peak_gb": 20.0}
     if over is not None:
@@ -151,6 +167,10 @@ GROUPS = {
                  sample=(json.dumps({"side": "litft", "tokens_per_s": 30000.0, "peak_gb": 10.0}),
                          json.dumps({"side": "trl", "tokens_per_s": 15000.0, "peak_gb": 20.0}),
                          json.dumps({"side": "litft-checkpointed", "tokens_per_s": 24000.0, "peak_gb": 6.0}))),
+    "grpo": Group("vs_trl_grpo.py", ["--accelerator", "cuda", "--sides", "litft,trl,litft-checkpointed", "--prompts", "16", "--group", "8",
+                                     "--max_new_tokens", "128", "--micro_batch", "32", "--steps", "4"], 240, grpo_rows, needs=("trl",),
+                  sample=tuple(json.dumps({"side": side, "tokens_per_s": speed, "s_per_step": 10000.0 / speed, "peak_gb": gb})
+                               for side, speed, gb in (("litft", 3000.0, 12.0), ("trl", 1500.0, 10.0), ("litft-checkpointed", 2500.0, 8.0)))),
 }
 
 
@@ -159,7 +179,7 @@ def command(group: Group, work: Path) -> List[str]:
     args = list(group.args)
     if group.script == VS:
         args += ["--work_dir", str(work)]
-    if group.script == "vs_trl_dpo.py":
+    if group.script in ("vs_trl_dpo.py", "vs_trl_grpo.py"):
         args += ["--model", str(work / "llama-3.2-1b-random")]
     return args
 
@@ -178,6 +198,10 @@ def check_flags(group: Group, argv: List[str]) -> None:
         import vs_trl_dpo
 
         vs_trl_dpo.parse_args(argv)
+    elif group.script == "vs_trl_grpo.py":
+        import vs_trl_grpo
+
+        vs_trl_grpo.parse_args(argv)
 
 
 def stream_rows(argv: List[str], limit: float) -> tuple:
@@ -245,7 +269,7 @@ def run_gpu_record(chosen: Optional[List[str]], dry: bool, history: Path, second
         if remaining < group.seconds:
             left_out.append(name)
             continue
-        if group.script == "vs_trl_dpo.py":
+        if group.script in ("vs_trl_dpo.py", "vs_trl_grpo.py"):
             from gpu_throughput import random_weights
 
             random_weights("llama-3.2-1b", work)
