@@ -6,6 +6,7 @@ block, each block sharded as soon as it is filled) and print, per rank, how much
 process's anonymous resident memory grew at its peak while loading, against the model's size.
 
     python benchmarks/sharded_load.py --layers 8 --hidden 1024 --devices 2
+    python benchmarks/sharded_load.py --layers 8 --hidden 2048 --devices 2 --tensor_parallel 2
 """
 
 import os
@@ -37,13 +38,16 @@ def load_and_measure(fabric, strategy, folder: str, model_mb: float, block_mb: f
 
 
 def main() -> None:
-    args = shape_parser(__doc__.splitlines()[0], layers=8).parse_args()
+    parser = shape_parser(__doc__.splitlines()[0], layers=8)
+    parser.add_argument("--tensor_parallel", type=int, default=1, help="ranks that split each block (the rest shard it with FSDP)")
+    args = parser.parse_args()
     folder = os.environ.get("SHARDED_LOAD_MODEL") or tempfile.mkdtemp(prefix="litft-load-")
     config, per_block, _, total = llama_shape(args)
     if not (Path(folder) / "model.safetensors").exists():
         LlamaForCausalLM(config).save_pretrained(folder)
     os.environ["SHARDED_LOAD_MODEL"] = folder  # the launched processes reuse the saved model
-    layout = Layout("fsdp" if args.devices > 1 else "auto", args.devices, 1, FSDPArgs(sharding_strategy="FULL_SHARD") if args.devices > 1 else FSDPArgs())
+    layout = Layout("fsdp" if args.devices > 1 else "auto", args.devices, 1, FSDPArgs(sharding_strategy="FULL_SHARD") if args.devices > 1 else FSDPArgs(),
+                    tensor_parallel=args.tensor_parallel)
     strategy = strategy_class(layout)(layout, "cpu", "32-true", TrainArgs(global_batch_size=args.devices, micro_batch_size=1))
     fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy.fabric_strategy())
     torch.set_num_threads(1)

@@ -124,8 +124,9 @@ class Materializer:
         self.owners: List[list] = []
         self.module_names: Dict[int, str] = {}  # each module's name under root, for the fills that walk a part
         # The rows (dim 0) of a parameter that its place will keep, by (module, attr), during a fill that was told them
-        # (FSDP's shard, an expert group's experts): only those are read, converted and copied.
-        self.kept_rows: Dict[Tuple[int, str], Tuple[int, int]] = {}
+        # (FSDP's shard, an expert group's experts; and the columns of a tensor-parallel row split): only those are read,
+        # converted and copied.
+        self.kept_rows: Dict[Tuple[int, str], Tuple[int, ...]] = {}
         groups: Dict[int, int] = {}
         for module_name, module in root.named_modules(remove_duplicate=False):
             self.module_names[id(module)] = module_name
@@ -141,7 +142,7 @@ class Materializer:
                     self.names[group].append(checkpoint_name(f"{module_name}.{attr}" if module_name else attr))
                     self.owners[group].append((module, kind, attr))
 
-    def __call__(self, part: nn.Module, kept_rows: Optional[Dict[Tuple[int, str], Tuple[int, int]]] = None) -> None:
+    def __call__(self, part: nn.Module, kept_rows: Optional[Dict[Tuple[int, str], Tuple[int, ...]]] = None) -> None:
         """Fill ``part``; ``kept_rows`` names, by (module id, attr), the rows of a parameter that will be kept. The other rows
         are left unread and unwritten (never resident), for a strategy that drops them right after the fill."""
         self.kept_rows = kept_rows or {}
@@ -250,13 +251,17 @@ class Materializer:
         first, last = start // row, -(-(start + count) // row)
         return self.stored_rows(key, shape, first, last).reshape(-1).narrow(0, start - first * row, count)
 
-    def _read(self, key: str, meta: torch.Tensor, rows: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+    def _read(self, key: str, meta: torch.Tensor, rows: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
         if rows is None or not meta.dim():
             return self.stored(key, meta.shape).to(meta.dtype, copy=True)
         value = torch.empty(meta.shape, dtype=meta.dtype)  # the other rows stay untouched (no memory behind them) and are dropped
-        first, last = rows
+        first, last, *columns = rows  # columns too for a tensor-parallel row split: (first, last, first column, last column)
         if last > first:
-            value[first:last].copy_(self.stored_rows(key, meta.shape, first, last))
+            part = self.stored_rows(key, meta.shape, first, last)
+            if columns:
+                value[first:last, columns[0]:columns[1]].copy_(part[:, columns[0]:columns[1]])
+            else:
+                value[first:last].copy_(part)
         return value
 
     def initialize(self, name: str, module: nn.Module, values: List[torch.Tensor]) -> None:

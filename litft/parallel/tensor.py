@@ -26,7 +26,8 @@ every rank counting its targets) comes out as ``data ranks / targets`` by itself
 
 import copy
 import fnmatch
-from typing import Dict, List, Optional
+import inspect
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -198,8 +199,33 @@ def plan(block: torch.nn.Module, kinds: Dict[str, str]) -> dict:
     return styles
 
 
-def parallelize_block(block: torch.nn.Module, mesh, config) -> None:
-    """Split one filled transformer block over the 1-D tensor-parallel ``mesh``, as the model's plan (or Llama's names) says."""
+def splits_local_data() -> bool:
+    """Whether torch's ``parallelize_module`` can split each rank's own copy of a tensor instead of scattering rank 0's
+    (its ``src_data_rank``, read from its signature): then a rank needs only its slice filled."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return "src_data_rank" in inspect.signature(parallelize_module).parameters
+
+
+def split_parts(block: torch.nn.Module, config) -> Dict[Tuple[int, str], Tuple[str, int]]:
+    """The block's tensors that tensor parallel splits, by (module id, attr): the split dimension's kind ("column": dim 0,
+    "row": dim 1) and the dimension, for the fill to read only a rank's slice. Biases of row splits stay whole."""
+    parts = {}
+    for name, kind in split_layers(block, block_plan(config)).items():
+        if kind == "summed":
+            continue
+        layer = block.get_submodule(name)
+        base = getattr(layer, "base_layer", layer)
+        column = kind.split()[0] == "column"
+        for attr, param in base._parameters.items():
+            if param is not None and (column or param.dim() == 2):
+                parts[(id(base), attr)] = ("column", 0) if column else ("row", 1)
+    return parts
+
+
+def parallelize_block(block: torch.nn.Module, mesh, config, local: bool = False) -> None:
+    """Split one filled transformer block over the 1-D tensor-parallel ``mesh``, as the model's plan (or Llama's names) says.
+    ``local``: each rank's own tensors hold its slice (filled by :func:`split_parts`), so no rank sends its copy."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     kinds = split_layers(block, block_plan(config))
@@ -209,7 +235,7 @@ def parallelize_block(block: torch.nn.Module, mesh, config) -> None:
     for name, kind in kinds.items():
         if kind == "summed":
             setattr(block.get_submodule(name), SUMMED, True)
-    parallelize_module(block, mesh, styles)
+    parallelize_module(block, mesh, styles, **({"src_data_rank": None} if local else {}))
 
 
 def sum_partial_gradients(module: torch.nn.Module, group) -> None:

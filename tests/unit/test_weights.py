@@ -157,3 +157,65 @@ def test_an_fsdp_rank_fills_reads_and_converts_only_the_rows_it_keeps(tmp_path, 
         torch.testing.assert_close(param[first:last], whole.get_parameter(f"model.layers.1.{name}")[first:last], rtol=0, atol=0, msg=name)
     experts = sorted(key for key in reads if ".experts." in key)
     assert experts == sorted(f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in (2, 3) for p in ("gate", "up", "down"))
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3", "gpt-neox"])
+def test_a_tensor_parallel_rank_fills_only_its_slice_of_each_split(name, tmp_path, monkeypatch):
+    """Rank (tensor 1 of 2, shard 1 of 2) fills a block: a column split's rows and a row split's columns, each chunked again
+    over dim 0 as FSDP2 shards the slice, equal the whole load's there (the model's own plan: Phi-3's fused projections,
+    GPT-NeoX's interleaved qkv); the rest is never written."""
+    from litft.hub_layout import model_layout_weights
+    from litft.parallel.strategies.fsdp import chunk_rows, kept_slices
+    from litft.parallel.tensor import split_parts
+    from tests.architectures import ARCHITECTURES, save_tiny
+
+    class Second:  # rank 1 of 2 of a mesh dimension, as kept_slices reads it
+        def size(self, dim=-1):
+            return 2
+
+        def get_local_rank(self, dim=-1):
+            return 1
+
+    monkeypatch.setenv("LITFT_HOME", str(tmp_path / "home"))
+    folder = save_tiny(next(a for a in ARCHITECTURES if a.name == name), tmp_path / "model")
+    config = load_config(str(folder))
+    whole = skeleton(config, torch.float32)
+    Materializer(whole, whole, model_layout_weights(folder, config), 0)(whole)
+    model = skeleton(config, torch.float32)
+    block = transformer_blocks(model)[1]
+    parts = split_parts(block, config)
+    regions = kept_slices(block, Second(), Second(), config)
+    Materializer(model, model, model_layout_weights(folder, config), 0)(block, regions)
+    kinds = set()
+    for param_name, param in block.named_parameters():
+        owner, _, attr = param_name.rpartition(".")
+        place = (id(block.get_submodule(owner)), attr)
+        expected = whole.get_parameter(next(n for n, p in whole.named_parameters() if n.endswith(f"layers.1.{param_name}")))
+        if place in parts and parts[place][0] == "column":  # the group's rows, then FSDP's chunk of them
+            mine = expected.chunk(2, dim=0)[1].chunk(2, dim=0)[1]
+            first, last = regions[place]
+            got = param[first:last]
+        elif place in parts:  # the group's columns of FSDP's rows
+            mine = expected.chunk(2, dim=1)[1].chunk(2, dim=0)[1]
+            first, last, left, right = regions[place]
+            got = param[first:last, left:right]
+        else:
+            mine = expected.chunk(2, dim=0)[1]
+            first, last = regions[place]
+            assert (first, last) == chunk_rows(param.shape[0], 2, 1)
+            got = param[first:last]
+        kinds.add(parts.get(place, ("whole", None))[0])
+        torch.testing.assert_close(got, mine, rtol=0, atol=0, msg=param_name)
+    assert kinds == {"column", "row", "whole"}
+
+
+def test_ranks_fill_only_their_tensor_parallel_slice_where_torch_splits_local_copies(monkeypatch):
+    """torch's parallelize_module takes src_data_rank from 2.6 on: there each rank's own slice is used; before, rank 0's
+    whole tensor is scattered, so every rank fills whole blocks (litft.parallel.tensor.splits_local_data)."""
+    import torch.distributed.tensor.parallel as tp
+
+    from litft.parallel.tensor import splits_local_data
+
+    assert splits_local_data() is True  # this torch
+    monkeypatch.setattr(tp, "parallelize_module", lambda module, device_mesh=None, parallelize_plan=None: module)  # torch 2.5's
+    assert splits_local_data() is False

@@ -24,7 +24,7 @@ from litft.experts import experts_modules
 from litft.parallel.expert import deal_out_experts, expert_data_mesh, expert_tensors
 from litft.parallel.mesh import Mesh
 from litft.parallel.strategies.base import Fill, TrainingStrategy
-from litft.parallel.tensor import clip_by_global_norm, parallelize_block, sum_partial_gradients
+from litft.parallel.tensor import clip_by_global_norm, parallelize_block, split_parts, splits_local_data, sum_partial_gradients
 from litft.weights import Materializer, transformer_blocks
 
 
@@ -90,6 +90,27 @@ def kept_rows(unit: torch.nn.Module, shard_mesh, expert_mesh=None) -> dict:
                 kept[(id(module), attr)] = (first + start, first + stop)
             else:
                 kept[(id(module), attr)] = chunk_rows(param.shape[0], shard_mesh.size(-1), shard_mesh.get_local_rank(-1))
+    return kept
+
+
+def kept_slices(block: torch.nn.Module, shard_mesh, tensor_mesh, config) -> dict:
+    """Under tensor parallel, the part of each of ``block``'s parameters this rank keeps: its tensor group's slice (rows of a
+    column split, columns of a row split, as the model's plan says), then FSDP2's chunk of dim 0 of that slice. A region is
+    (first, last) rows, or (first, last, first column, last column)."""
+    kept = kept_rows(block, shard_mesh)
+    size, rank = tensor_mesh.size(), tensor_mesh.get_local_rank()
+    shards, shard = shard_mesh.size(-1), shard_mesh.get_local_rank(-1)
+    params = {(id(m), a): p for m in block.modules() for a, p in m._parameters.items() if p is not None and p.is_meta}
+    for place, (kind, dim) in split_parts(block, config).items():
+        param = params.get(place)
+        if param is None:
+            continue
+        first, last = chunk_rows(param.shape[dim], size, rank)
+        if kind == "column":
+            start, stop = chunk_rows(last - first, shards, shard)
+            kept[place] = (first + start, first + stop)
+        else:
+            kept[place] = (*chunk_rows(param.shape[0], shards, shard), first, last)
     return kept
 
 
@@ -165,15 +186,20 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         blocks = set(map(id, transformer_blocks(module.hf_model)))
         # Each rank keeps its group's share of the experts, sharded by FSDP over the ranks that hold the same ones.
         expert_options = {**options, "mesh": expert_data_mesh(self.expert_mesh)} if self.expert_mesh is not None else None
-        # Each rank reads and converts only the rows it keeps (not under tensor parallel, whose splits are not all by row).
-        by_rows = isinstance(self.fill, Materializer) and not tensor
+        # Each rank reads and converts only what it keeps: FSDP's rows, and under tensor parallel its group's slice of each
+        # split tensor, which the parallel styles then take from the rank's own copy (torch 2.6 on; before, they scatter
+        # rank 0's whole tensor, so every rank fills whole blocks).
+        by_rows = isinstance(self.fill, Materializer) and (not tensor or splits_local_data())
+        config = module.hf_model.config
         for unit in shard_units(module.hf_model):
+            split = tensor and id(unit) in blocks
             if by_rows:
-                self.fill(unit, kept_rows(unit, options["mesh"], self.expert_mesh))
+                self.fill(unit, kept_slices(unit, options["mesh"], mesh["tensor"], config) if split
+                          else kept_rows(unit, options["mesh"], self.expert_mesh))
             else:
                 self.fill(unit)  # one full unit at a time, sharded right away
-            if tensor and id(unit) in blocks:
-                parallelize_block(unit, mesh["tensor"], module.hf_model.config)
+            if split:
+                parallelize_block(unit, mesh["tensor"], config, local=by_rows)
             for experts in experts_modules(unit) if expert_options is not None else ():
                 deal_out_experts(experts, self.expert_mesh["expert"])
                 fully_shard(experts, **expert_options)
