@@ -216,9 +216,11 @@ def split_parts(block: torch.nn.Module, config) -> Dict[Tuple[int, str], Tuple[s
             continue
         layer = block.get_submodule(name)
         base = getattr(layer, "base_layer", layer)
+        if not isinstance(base, torch.nn.Linear):  # torch's styles split other modules (embeddings) on other dimensions
+            continue
         column = kind.split()[0] == "column"
         for attr, param in base._parameters.items():
-            if param is not None and (column or param.dim() == 2):
+            if param is not None and (column or attr == "weight"):
                 parts[(id(base), attr)] = ("column", 0) if column else ("row", 1)
     return parts
 

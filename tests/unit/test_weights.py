@@ -210,7 +210,7 @@ def test_a_tensor_parallel_rank_fills_only_its_slice_of_each_split(name, tmp_pat
 
 
 def test_ranks_fill_only_their_tensor_parallel_slice_where_torch_splits_local_copies(monkeypatch):
-    """torch's parallelize_module takes src_data_rank from 2.6 on: there each rank's own slice is used; before, rank 0's
+    """Where torch's parallelize_module takes src_data_rank, each rank's own slice is used; before (torch 2.5), rank 0's
     whole tensor is scattered, so every rank fills whole blocks (litft.parallel.tensor.splits_local_data)."""
     import torch.distributed.tensor.parallel as tp
 

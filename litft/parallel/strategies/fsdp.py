@@ -187,8 +187,8 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         # Each rank keeps its group's share of the experts, sharded by FSDP over the ranks that hold the same ones.
         expert_options = {**options, "mesh": expert_data_mesh(self.expert_mesh)} if self.expert_mesh is not None else None
         # Each rank reads and converts only what it keeps: FSDP's rows, and under tensor parallel its group's slice of each
-        # split tensor, which the parallel styles then take from the rank's own copy (torch 2.6 on; before, they scatter
-        # rank 0's whole tensor, so every rank fills whole blocks).
+        # split tensor, which the parallel styles then take from the rank's own copy (where parallelize_module takes
+        # src_data_rank; before, it scatters rank 0's whole tensor, so every rank fills whole blocks).
         by_rows = isinstance(self.fill, Materializer) and (not tensor or splits_local_data())
         config = module.hf_model.config
         for unit in shard_units(module.hf_model):
