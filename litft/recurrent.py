@@ -133,14 +133,12 @@ def kernel_device(package: str) -> Optional[str]:
     return getattr(root, "litft_device_type", "cuda")
 
 
-def boundary_kernels(config, device_type: str, attention: Optional[str] = None) -> Tuple[str, ...]:
+def boundary_kernels(config, device_type: str, packed_attention: bool = True) -> Tuple[str, ...]:
     """The kernel packages that keep packed samples apart in this model's state layers on ``device_type``; empty where
-    they are not all there, or where ``attention`` (the run's implementation) does not keep packed samples apart itself:
-    rows are then a sample each."""
-    from litft.attention import PACKED_SAFE
-
+    they are not all there, or where the run's attention does not keep packed samples apart itself (``packed_attention``
+    False: sdpa, eager): rows are then a sample each."""
     packages = BOUNDARY_KERNELS.get(text_config(config).model_type, ())
-    if not packages or not transformers_passes_boundaries() or (attention is not None and attention not in PACKED_SAFE):
+    if not packages or not transformers_passes_boundaries() or not packed_attention:
         return ()
     return packages if all(kernel_device(package) == device_type for package in packages) else ()
 

@@ -110,7 +110,7 @@ class Trainer:
                   tensor_parallel=layout.tensor_parallel)
         config = load_config(resolve_model(spec.model))  # the model's description, read once: every check and the build take it
         check_architecture(config)  # before any process starts
-        if carries_state(config) and getattr(spec.data, "packing", False) and not boundary_kernels(config, accelerator, attention):
+        if carries_state(config) and getattr(spec.data, "packing", False) and not boundary_kernels(config, accelerator, attention in PACKED_SAFE):
             raise LitftError(f"--data.packing puts several samples in one row, and {config.model_type}'s state-carrying layers would carry "
                              "one sample's state into the next; drop --data.packing (litft trains these models a sample per padded row "
                              "unless their kernels take per-sample boundaries: litft.recurrent)")
@@ -176,7 +176,7 @@ class Trainer:
         fabric.seed_everything(spec.seed, verbose=False)
         attention = self.attention
         fabric.print(describe_attention(attention, fabric.device.type, self.precision))
-        packed_by = boundary_kernels(self.config, fabric.device.type, attention) if carries_state(self.config) else ()
+        packed_by = boundary_kernels(self.config, fabric.device.type, attention in PACKED_SAFE) if carries_state(self.config) else ()
         if carries_state(self.config):
             fabric.print(describe_recurrent(self.config, packed_by))
         fabric.print(self.compiling.line())

@@ -57,10 +57,11 @@ def packed_in_child(folders: dict, out: Path, job_folder: Path) -> None:
         results[name] = {"loss": loss.item(), "grads": grads, "calls": calls, "whole_rows": lm.whole_rows, "eval_loss": evaluated,
                          "eval_calls": {k: v - calls.get(k, 0) for k, v in eval_calls.items()}}
     torch.save(results, out)
+    from litft.attention import PACKED_SAFE
     from litft.recurrent import boundary_kernels
 
     config = as_litft_builds_it(Path(folders["qwen3-next"])).hf_model.config
-    (out.parent / "choices.json").write_text(json.dumps({attention: list(boundary_kernels(config, "cpu", attention))
+    (out.parent / "choices.json").write_text(json.dumps({attention: list(boundary_kernels(config, "cpu", attention in PACKED_SAFE))
                                                           for attention in ("litft_segments", "sdpa", "eager")}))
     run = JOBS["finetune_lora"](str(job_folder), out_dir=out.parent / "job", data=TinyTasks(num_train=16, num_val=4, packing=True),
                                 train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=2, save_interval=None),
