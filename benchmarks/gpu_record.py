@@ -26,6 +26,7 @@ its script's own parser, and each group's reader turns a sample of its script's
 output into figures; nothing runs on a GPU and nothing is appended.
 """
 
+import importlib
 import importlib.util
 import json
 import os
@@ -102,32 +103,28 @@ def moe_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
     return figures
 
 
-def dpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
+def over_trl(rows: List[dict], prefix: str, speed: Callable[[dict, dict], float]) -> Dict[str, float]:
+    """Each litft side's tok/s, and its speed (``speed(litft's row, TRL's)``) and memory over TRL's. TRL checkpoints
+    activations by default, litft does not: its checkpointed side puts the two at one memory policy."""
     by_side = {row["side"]: row for row in rows if "tokens_per_s" in row}
-    litft, trl = by_side.get("litft"), by_side.get("trl")
-    figures = {"gpu_dpo_tok_s": litft["tokens_per_s"]} if litft else {}
-    if litft and trl:
-        figures.update(gpu_dpo_vs_trl=litft["tokens_per_s"] / trl["tokens_per_s"], gpu_dpo_memory_vs_trl=litft["peak_gb"] / trl["peak_gb"])
-    checkpointed = by_side.get("litft-checkpointed")
-    if checkpointed and trl:  # TRL's DPOConfig checkpoints activations by default: the two at one memory policy
-        figures.update(gpu_dpo_checkpointed_vs_trl=checkpointed["tokens_per_s"] / trl["tokens_per_s"],
-                       gpu_dpo_checkpointed_memory_vs_trl=checkpointed["peak_gb"] / trl["peak_gb"])
-    return figures
-
-
-def grpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
-    """Steps per second over TRL's (the sides sample their own completions, so a step's tokens differ a little) and memory."""
-    by_side = {row["side"]: row for row in rows if "s_per_step" in row}
-    trl = by_side.get("trl")
-    figures = {}
-    for side, name in (("litft", "gpu_grpo"), ("litft-checkpointed", "gpu_grpo_checkpointed")):
+    trl, figures = by_side.get("trl"), {}
+    for side, name in (("litft", prefix), ("litft-checkpointed", f"{prefix}_checkpointed")):
         ours = by_side.get(side)
         if ours:
             figures[f"{name}_tok_s"] = ours["tokens_per_s"]
         if ours and trl:
-            figures[f"{name}_vs_trl"] = trl["s_per_step"] / ours["s_per_step"]
+            figures[f"{name}_vs_trl"] = speed(ours, trl)
             figures[f"{name}_memory_vs_trl"] = ours["peak_gb"] / trl["peak_gb"]
     return figures
+
+
+def dpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
+    return over_trl(rows, "gpu_dpo", lambda ours, trl: ours["tokens_per_s"] / trl["tokens_per_s"])
+
+
+def grpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
+    """Steps per second over TRL's: the sides sample their own completions, so a step's tokens differ a little."""
+    return over_trl(rows, "gpu_grpo", lambda ours, trl: trl["s_per_step"] / ours["s_per_step"])
 
 
 def _trainer_line(run: str, side: str, speed: float, over: Optional[float] = None) -> str:
@@ -138,6 +135,7 @@ def _trainer_line(run: str, side: str, speed: float, over: Optional[float] = Non
 
 
 VS = "vs_hf_trainer.py"
+AGAINST_TRL = ("vs_trl_dpo.py", "vs_trl_grpo.py")  # on the 1B folder built in the call's work directory
 
 
 def _vs(runs: str, *more: str, steps: int = 8) -> List[str]:
@@ -179,7 +177,7 @@ def command(group: Group, work: Path) -> List[str]:
     args = list(group.args)
     if group.script == VS:
         args += ["--work_dir", str(work)]
-    if group.script in ("vs_trl_dpo.py", "vs_trl_grpo.py"):
+    if group.script in AGAINST_TRL:
         args += ["--model", str(work / "llama-3.2-1b-random")]
     return args
 
@@ -194,14 +192,8 @@ def check_flags(group: Group, argv: List[str]) -> None:
         unknown = set(args.runs.split(",")) - set(vs_hf_trainer.CUDA_RUNS) | set(args.sides.split(",")) - set(vs_hf_trainer.SIDES)
         if unknown:
             raise SystemExit(f"{group.script}: unknown runs or sides {sorted(unknown)}")
-    elif group.script == "vs_trl_dpo.py":
-        import vs_trl_dpo
-
-        vs_trl_dpo.parse_args(argv)
-    elif group.script == "vs_trl_grpo.py":
-        import vs_trl_grpo
-
-        vs_trl_grpo.parse_args(argv)
+    elif group.script in AGAINST_TRL:
+        importlib.import_module(Path(group.script).stem).parse_args(argv)
 
 
 def stream_rows(argv: List[str], limit: float) -> tuple:
@@ -269,7 +261,7 @@ def run_gpu_record(chosen: Optional[List[str]], dry: bool, history: Path, second
         if remaining < group.seconds:
             left_out.append(name)
             continue
-        if group.script in ("vs_trl_dpo.py", "vs_trl_grpo.py"):
+        if group.script in AGAINST_TRL:
             from gpu_throughput import random_weights
 
             random_weights("llama-3.2-1b", work)

@@ -176,7 +176,7 @@ class Trainer:
         fabric.seed_everything(spec.seed, verbose=False)
         attention = self.attention
         fabric.print(describe_attention(attention, fabric.device.type, self.precision))
-        packed_by = boundary_kernels(self.config, fabric.device.type, attention in PACKED_SAFE) if carries_state(self.config) else ()
+        packed_by = boundary_kernels(self.config, fabric.device.type, attention in PACKED_SAFE)  # empty for attention-only models
         if carries_state(self.config):
             fabric.print(describe_recurrent(self.config, packed_by))
         fabric.print(self.compiling.line())
