@@ -11,9 +11,9 @@ are random-weight shapes built on the device (it has no network).
 
 | group | what | figures (``gpu_`` prefix) |
 |---|---|---|
-| 1b_full | Llama-3.2-1B shape, seq 2048, full bf16-true against HF Trainer | tok/s, MFU, speed and memory over Trainer |
+| 1b_full | Llama-3.2-1B shape, seq 2048, full bf16-true against HF Trainer; litft also with ``--compile true`` | tok/s, MFU, speed and memory over Trainer, compiled over eager |
 | 1b_lora | the same shape, LoRA bf16-mixed | the same |
-| 1b_fp8 | the full run with ``--fp8 tensorwise``, with ``--compile false``, and compiled with Liger's kernels | FP8 over Trainer's bf16, what compile gives, Liger inside compiled blocks over the default |
+| 1b_fp8 | the full run with ``--fp8 tensorwise`` (compiled, as ``auto`` does with FP8) | FP8 over Trainer's bf16 |
 | moe | a Qwen3-MoE training step, grouped experts against the per-expert loop (benchmarks/moe_experts.py) | speed-up |
 | 8b_lora | Llama-3.1-8B shape, seq 4096, LoRA bf16-true, micro 1, global 8 | tok/s, MFU, speed and memory over Trainer |
 | 1b_chat | chat SFT on the 1B shape: varied lengths, prompt masked | tok/s, speed and memory over Trainer |
@@ -63,7 +63,8 @@ class Group:
 
 
 def trainer_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
-    """vs_hf_trainer.py's side lines: litft's tok/s and MFU per run, and its speed and memory over Trainer's."""
+    """vs_hf_trainer.py's side lines: litft's tok/s and MFU per run, its speed and memory over Trainer's, each
+    ``litft-<change>`` side's tok/s, and what compiling gives (the compiled side over litft's default, eager blocks)."""
     figures = {}
     for row in rows:
         if "error" in row:
@@ -78,20 +79,18 @@ def trainer_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
             figures[f"{run}_memory_vs_trainer"] = row["litft_memory_over_this"]
         elif row["side"].startswith("litft-"):
             figures[f"{run}_{row['side'].removeprefix('litft-')}_tok_s"] = row["tokens_per_s"]
+    for run in {name[: -len("_compiled_tok_s")] for name in figures if name.endswith("_compiled_tok_s")}:
+        if figures.get(f"{run}_tok_s"):
+            figures[f"{run}_compile_gain"] = figures[f"{run}_compiled_tok_s"] / figures[f"{run}_tok_s"]
     return figures
 
 
 def fp8_rows(rows: List[dict], earlier: Dict[str, float]) -> Dict[str, float]:
-    """The FP8 run over Trainer's bf16 (from group 1b of the same call), and compile's gain (litft at its defaults over eager)."""
+    """The FP8 run (compiled, as ``auto`` does with FP8) over Trainer's bf16, from group 1b_full of the same call."""
     figures = trainer_rows(rows, earlier)
-    full, fp8, eager = earlier.get("gpu_1b_full_tok_s"), figures.get("gpu_1b_full_fp8_tok_s"), figures.get("gpu_1b_full_eager_tok_s")
-    trainer = full / earlier["gpu_1b_full_vs_trainer"] if full and earlier.get("gpu_1b_full_vs_trainer") else None
-    if fp8 and trainer:
-        figures["gpu_1b_full_fp8_vs_trainer_bf16"] = fp8 / trainer
-    if full and eager:
-        figures["gpu_1b_full_compile_gain"] = full / eager
-    if full and figures.get("gpu_1b_full_liger_tok_s"):
-        figures["gpu_1b_full_liger_over_default"] = figures["gpu_1b_full_liger_tok_s"] / full
+    full, fp8 = earlier.get("gpu_1b_full_tok_s"), figures.get("gpu_1b_full_fp8_tok_s")
+    if fp8 and full and earlier.get("gpu_1b_full_vs_trainer"):
+        figures["gpu_1b_full_fp8_vs_trainer_bf16"] = fp8 / (full / earlier["gpu_1b_full_vs_trainer"])
     return figures
 
 
@@ -143,15 +142,17 @@ def _vs(runs: str, *more: str, steps: int = 8) -> List[str]:
 
 
 # Lengths measured on one H100 (2026-11-27): 1b-full litft 49 s + Trainer 20 s; 1b-lora 37 + 27 s; FP8 56 s; the MoE step 19 s.
-# On one H200 (the same day): 1b_full 85 s, 1b_lora 77, 1b_fp8 114 (two sides), moe 17, 8b_lora 124, 1b_chat 99, dpo 96.
+# On one H200 (the same day): 1b_full 85 s, 1b_lora 77, 1b_fp8 114 (two sides), moe 17, 8b_lora 124, 1b_chat 99, dpo 96;
+# later (10a465b): 1b_full 95 s, 1b_lora 94, 1b_fp8 180 (three sides of ~55 s), 8b_qlora's litft side 89.
 GROUPS = {
-    "1b_full": Group(VS, _vs("1b-full", "--sides", "litft,trainer"), 85, trainer_rows,
-                     sample=(_trainer_line("1b-full", "litft", 60000.0), _trainer_line("1b-full", "trainer", 48000.0, 1.25))),
-    "1b_lora": Group(VS, _vs("1b-lora", "--sides", "litft,trainer"), 70, trainer_rows,
-                     sample=(_trainer_line("1b-lora", "litft", 60000.0), _trainer_line("1b-lora", "trainer", 38000.0, 1.6))),
-    "1b_fp8": Group(VS, _vs("1b-full", "--sides", "litft-fp8,litft-eager,litft-liger"), 150, fp8_rows, needs=("torchao",),
-                    sample=(_trainer_line("1b-full", "litft-fp8", 70000.0), _trainer_line("1b-full", "litft-eager", 50000.0),
-                            _trainer_line("1b-full", "litft-liger", 57000.0))),
+    "1b_full": Group(VS, _vs("1b-full", "--sides", "litft,trainer,litft-compiled"), 150, trainer_rows,
+                     sample=(_trainer_line("1b-full", "litft", 60000.0), _trainer_line("1b-full", "trainer", 48000.0, 1.25),
+                             _trainer_line("1b-full", "litft-compiled", 57000.0))),
+    "1b_lora": Group(VS, _vs("1b-lora", "--sides", "litft,trainer,litft-compiled"), 150, trainer_rows,
+                     sample=(_trainer_line("1b-lora", "litft", 60000.0), _trainer_line("1b-lora", "trainer", 38000.0, 1.6),
+                             _trainer_line("1b-lora", "litft-compiled", 62000.0))),
+    "1b_fp8": Group(VS, _vs("1b-full", "--sides", "litft-fp8"), 65, fp8_rows, needs=("torchao",),
+                    sample=(_trainer_line("1b-full", "litft-fp8", 70000.0),)),
     "moe": Group("moe_experts.py", ["--device", "cuda", "--tokens", "8192", "--steps", "5"], 25, moe_rows,
                  sample=(json.dumps({"experts": "eager", "tokens_per_s": 60000.0}), json.dumps({"experts": "grouped_mm", "tokens_per_s": 300000.0}))),
     "8b_lora": Group(VS, _vs("8b-lora", "--seq_len", "4096", "--sides", "litft,trainer", steps=5), 150, trainer_rows,
@@ -267,9 +268,8 @@ def run_gpu_record(chosen: Optional[List[str]], dry: bool, history: Path, second
             random_weights("llama-3.2-1b", work)
         started = time.monotonic()
         rows, stopped = stream_rows([sys.executable, str(BENCH / group.script), *argv], min(1.5 * group.seconds, remaining))
-        for row in rows:
-            if "error" in row:
-                print(f"{name}: {row['error']}", flush=True)
+        for row in rows:  # every side's own line in the log: its compile counts, profile folder and peak beside the figures
+            print(f"{name}: {row['error']}" if "error" in row else f"  {json.dumps(row)}", flush=True)
         got = group.read(rows, figures)
         figures.update(got)
         print(f"{name}: {time.monotonic() - started:.0f} s" + (f", {stopped}" if stopped else "")

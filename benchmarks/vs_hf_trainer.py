@@ -15,8 +15,7 @@ process, one at a time, with the same number of torch threads:
 - ``litft-<change>``: litft with one of its speed changes undone or one more made, to
   show what each gives: ``padded`` (padded batches, SDPA), ``plain-loss`` (the head
   and the loss over every token), ``compiled`` (``--compile true``), ``eager``
-  (``--compile false``), ``fp8`` (``--fp8 tensorwise``), ``liger`` (``--kernels liger``: Liger's
-  kernels inside compiled blocks, which ``auto`` leaves out).
+  (``--compile false``), ``fp8`` (``--fp8 tensorwise``), ``liger`` (``--kernels liger``).
 
 Printed per side: real (unpadded) tokens/s over the steps after the first
 ``--skip`` (so loading and compilation are left out), and the process's peak
@@ -47,6 +46,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -193,12 +193,16 @@ def run_litft(flags: list, work: Path, threads: int) -> float:
     return peak_rss
 
 
+def child_env(threads: int) -> dict:
+    """A side's environment: the repository first on the caller's path, so wheels the caller put there (a GPU call's) stay."""
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
+
+
 def peer_side(script: str, raw: list, work: Path, side: str, threads: int) -> dict:
     """A peer's side: ``script`` run again in its own process with ``--_side side``; the result it printed after RESULT,
     with the process's peak resident memory."""
     command = [sys.executable, script, *raw, "--work_dir", str(work), "--_side", side]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
-    code, peak_rss, stdout, stderr = run_measured(command, work, env)
+    code, peak_rss, stdout, stderr = run_measured(command, work, child_env(threads))
     line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
     if line is None:
         raise SideFailed(side, code, stderr)
@@ -248,9 +252,13 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
     if code != 0:
         raise SideFailed(f"litft {change}".strip(), code, stderr)
     rows, rates = steady_rates(out, args.skip)
+    for saved in ("checkpoints", "final"):  # the end-of-run saves: a 1B full run's are ~10 GB, and a GPU call's disk holds 64 GB
+        shutil.rmtree(out / saved, ignore_errors=True)
     # The process's peak as of its last step: loading included, the end-of-run export (the Trainer side saves nothing) left out.
     profiled = {"profile": str(out / "logs" / "profile")} if (out / "logs" / "profile").is_dir() else {}
-    return {**rates, "peak_gb": max(r["peak_memory_gb"] for r in rows), "steps": len(rows), **profiled}
+    # A compiled run's frames and recompiles: a block recompiling per layer shows here before it shows as lost speed.
+    compiled = {key: rows[-1][key] for key in ("compile_s", "compiled_frames", "recompiles") if key in rows[-1]}
+    return {**rates, "peak_gb": max(r["peak_memory_gb"] for r in rows), "steps": len(rows), **compiled, **profiled}
 
 
 def steady_rates(out: Path, skip: int):
@@ -354,8 +362,7 @@ def trainer_side(args, load: Workload, model_path: Path, work: Path, best: bool)
 def run_trainer_side(args, load: Workload, model: Path, work: Path, best: bool) -> dict:
     side = json.dumps([asdict(load), str(model), best])
     command = [sys.executable, __file__, *sys.argv[1:], "--work_dir", str(work), "--_trainer_side", side]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
-    code, peak_gb, stdout, stderr = run_measured(command, work, env)
+    code, peak_gb, stdout, stderr = run_measured(command, work, child_env(args.threads))
     line = next((line for line in stdout.splitlines() if line.startswith(RESULT)), None)
     if line is None:
         raise SideFailed("Trainer", code, stderr)

@@ -99,8 +99,8 @@ ATTENTION = Flag(
 )
 COMPILE = Flag(
     "compile", Union[bool, Literal["auto"]], "auto",
-    "torch.compile each transformer block before sharding, one compiled code per kind of block: auto compiles on CUDA where the "
-    "strategy and flags allow it (+27% on a 1B model on an H200), not on the CPU, where it costs more than it saves.",
+    "torch.compile each transformer block before sharding, one compiled code per kind of block: auto compiles with --fp8 on CUDA "
+    "where the strategy and flags allow it; otherwise eager blocks with Liger's kernels measured faster (docs/speed.md).",
 )
 FP8 = Flag(
     "fp8", Optional[Literal["tensorwise", "rowwise"]], None,
@@ -109,7 +109,7 @@ FP8 = Flag(
 )
 KERNELS = Flag(
     "kernels", Literal["auto", "liger", "none"], "auto",
-    "Fused Triton kernels of liger-kernel for RMSNorm, RoPE and SwiGLU (pip install 'litft[kernels]'): auto uses them on a GPU where installed and the blocks are not compiled (compiled blocks fuse the same ops themselves).",
+    "Fused Triton kernels of liger-kernel for RMSNorm, RoPE and SwiGLU (pip install 'litft[kernels]'): auto uses them on a GPU where installed.",
 )
 QUANTIZE = Flag("quantize", Optional[Quantize], None, "Load the frozen base in 4 bits with bitsandbytes (QLoRA); -dq also quantizes the scales.")
 LORA_R = Flag("lora_r", int, 8, "Rank of the adapters.")

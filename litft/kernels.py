@@ -5,28 +5,25 @@ import importlib.util
 from litft.errors import LitftError
 
 
-def choose_kernels(requested: str, accelerator: str, compiled: bool = False) -> bool:
+def choose_kernels(requested: str, accelerator: str) -> bool:
     """Whether Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU) replace the model's own: ``--kernels``.
 
-    ``auto`` takes them on a GPU only where the blocks run eagerly. Compiled blocks get the same fusions from
-    inductor, which also fuses them with their neighbours (residual adds, FP8 casts), while Liger's kernels are opaque
-    to it. On one H200 (Llama-3.2-1B shape, bf16-true): eager with Liger 59,340 tok/s, compiled with Liger 57,251
-    (benchmarks/history.jsonl at cc1229b); plain HF blocks 50,388 eager, 63,815 compiled.
+    ``auto`` takes them on a GPU where liger-kernel is installed, compiled blocks too: on one H200 (Llama-3.2-1B
+    shape, bf16-true, 10a465b) compiled blocks ran 57,150 tok/s with them and 53,361 with inductor's own fusions
+    instead, and FP8 36,122 without them against 57,601 with them (cc1229b).
     """
     installed = importlib.util.find_spec("liger_kernel") is not None
     if requested == "liger" and not installed:
         raise LitftError("--kernels liger needs liger-kernel: pip install 'litft[kernels]' (or drop --kernels)")
     if requested == "liger" and accelerator != "cuda":
         raise LitftError("--kernels liger runs Triton kernels on a GPU; on the CPU use --kernels none")
-    return requested == "liger" or (requested == "auto" and installed and accelerator == "cuda" and not compiled)
+    return requested == "liger" or (requested == "auto" and installed and accelerator == "cuda")
 
 
-def describe_kernels(requested: str, liger: bool, compiled: bool) -> str:
+def describe_kernels(requested: str, liger: bool) -> str:
     """The first screen's line: which fused kernels the blocks run, and why."""
     if liger:
-        return f"kernels: Liger's RMSNorm, RoPE and SwiGLU ({'--kernels liger' if requested == 'liger' else 'auto: eager blocks on a GPU'})"
-    if requested == "auto" and compiled:
-        return "kernels: the model's own, fused by torch.compile (auto: Liger's kernels only where blocks run eagerly)"
+        return f"kernels: Liger's RMSNorm, RoPE and SwiGLU ({'--kernels liger' if requested == 'liger' else 'auto: a GPU with liger-kernel'})"
     return f"kernels: the model's own ({'--kernels none' if requested == 'none' else 'auto: Liger only on a GPU with liger-kernel installed'})"
 
 

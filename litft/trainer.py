@@ -105,7 +105,7 @@ class Trainer:
                              "run with the sequence split by --context_parallel; drop it (FSDP, ZeRO-3, tensor and expert parallel split the model)")
         compiling = choose_compile(spec.compile, accelerator, chosen.compiles, chosen.name, quantize=spec.lora.quantize if spec.lora else None,
                                    context_parallel=layout.context_parallel, tensor_parallel=layout.tensor_parallel,
-                                   expert_parallel=layout.expert_parallel, generates=spec.objective.rl)
+                                   expert_parallel=layout.expert_parallel, generates=spec.objective.rl, fp8=spec.fp8)
         check_fp8(spec.fp8, accelerator, precision, quantize=spec.lora.quantize if spec.lora else None, strategy_name=chosen.name,
                   tensor_parallel=layout.tensor_parallel)
         config = load_config(resolve_model(spec.model))  # the model's description, read once: every check and the build take it
@@ -180,8 +180,8 @@ class Trainer:
         if carries_state(self.config):
             fabric.print(describe_recurrent(self.config, packed_by))
         fabric.print(self.compiling.line())
-        liger = choose_kernels(spec.kernels, fabric.device.type, self.compiling.enabled)
-        fabric.print(describe_kernels(spec.kernels, liger, self.compiling.enabled))
+        liger = choose_kernels(spec.kernels, fabric.device.type)
+        fabric.print(describe_kernels(spec.kernels, liger))
         self.lm, fill, on_device = build_module(
             source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed,
             device=fabric.device, strategy=self.strategy, attention=attention, compile=self.compiling.enabled, fp8=spec.fp8, config=self.config,

@@ -194,14 +194,13 @@ def test_liger_kernels_only_where_they_run(monkeypatch):
     with pytest.raises(LitftError, match="--kernels liger"):
         choose_kernels("liger", "cpu")
     assert choose_kernels("auto", "cuda") is installed
-    # Compiled blocks fuse the same ops with inductor: auto leaves Liger out there; asked for by name, it stays.
-    assert choose_kernels("auto", "cuda", compiled=True) is False
     if installed:
-        assert choose_kernels("liger", "cuda", compiled=True) is True
+        assert choose_kernels("liger", "cuda") is True
     from litft.kernels import describe_kernels
 
-    assert "fused by torch.compile" in describe_kernels("auto", False, True)
-    assert "--kernels liger" in describe_kernels("liger", True, True)
+    assert "auto: a GPU with liger-kernel" in describe_kernels("auto", True)
+    assert "--kernels liger" in describe_kernels("liger", True)
+    assert "--kernels none" in describe_kernels("none", False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's kernels are Triton GPU kernels")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from litft.config import EvalArgs, ObjectiveArgs
+from litft.errors import LitftError
 from litft.loop import LoopState
 from litft.metrics import Cadence, SampleLog, StopRequests, Throughput
 from litft.objectives import Supervised
@@ -161,3 +162,19 @@ def test_generation_runs_compiled_blocks_eagerly_and_compiles_nothing_new(monkey
     assert counters["frames"]["total"] == frames
     block(x)
     assert counters["frames"]["total"] == frames
+
+
+def test_compile_auto_compiles_only_where_it_measured_faster():
+    """auto: eager on the CPU and on CUDA (compiled blocks ran slower there, docs/speed.md), compiled with FP8, whose casts
+    inductor fuses; a blocker turns auto off and refuses --compile true in one line."""
+    from litft.compiling import choose
+
+    assert not choose("auto", "cpu", True, "fsdp").enabled
+    assert not choose("auto", "cpu", True, "fsdp", fp8="tensorwise").enabled
+    eager = choose("auto", "cuda", True, "fsdp")
+    assert not eager.enabled and "docs/speed.md" in eager.line()
+    assert choose("auto", "cuda", True, "fsdp", fp8="rowwise").line().startswith("compile: on (auto with --fp8 rowwise")
+    assert choose("true", "cuda", True, "fsdp").enabled and not choose(False, "cuda", True, "fsdp").enabled
+    assert not choose("auto", "cuda", False, "DeepSpeed", fp8="tensorwise").enabled
+    with pytest.raises(LitftError, match="--compile true is not supported with --quantize nf4"):
+        choose("true", "cuda", True, "fsdp", quantize="nf4")
