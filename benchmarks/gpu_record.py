@@ -14,6 +14,7 @@ are random-weight shapes built on the device (it has no network).
 | 1b_full | Llama-3.2-1B shape, seq 2048, full bf16-true against HF Trainer; litft also with ``--compile true`` | tok/s, MFU, speed and memory over Trainer, compiled over eager |
 | 1b_lora | the same shape, LoRA bf16-mixed | the same |
 | 1b_fp8 | the full run with ``--fp8 tensorwise`` (compiled, as ``auto`` does with FP8) | FP8 over Trainer's bf16 |
+| compile_ablation | a bare step of the 1B shape, eager and compiled, with litft's model changes added one at a time (benchmarks/compile_ablation.py) | compiled over eager for each |
 | moe | a Qwen3-MoE training step, grouped experts against the per-expert loop (benchmarks/moe_experts.py) | speed-up |
 | 8b_lora | Llama-3.1-8B shape, seq 4096, LoRA bf16-true, micro 1, global 8 | tok/s, MFU, speed and memory over Trainer |
 | 1b_chat | chat SFT on the 1B shape: varied lengths, prompt masked | tok/s, speed and memory over Trainer |
@@ -94,6 +95,11 @@ def fp8_rows(rows: List[dict], earlier: Dict[str, float]) -> Dict[str, float]:
     return figures
 
 
+def ablation_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
+    """compile_ablation.py's lines: compiled over eager for each step of litft's model changes (plain HF blocks first)."""
+    return {f"gpu_compile_gain_{row['variant'].replace('+', '_')}": row["compiled_over_eager"] for row in rows if "compiled_over_eager" in row}
+
+
 def moe_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
     speed = {row["experts"]: row["tokens_per_s"] for row in rows if "tokens_per_s" in row}
     figures = {"gpu_moe_grouped_tok_s": speed["grouped_mm"]} if "grouped_mm" in speed else {}
@@ -153,6 +159,9 @@ GROUPS = {
                              _trainer_line("1b-lora", "litft-compiled", 62000.0))),
     "1b_fp8": Group(VS, _vs("1b-full", "--sides", "litft-fp8"), 65, fp8_rows, needs=("torchao",),
                     sample=(_trainer_line("1b-full", "litft-fp8", 70000.0),)),
+    "compile_ablation": Group("compile_ablation.py", ["--device", "cuda"], 170, ablation_rows,
+                              sample=tuple(json.dumps({"variant": name, "compiled": True, "tokens_per_s": 60000.0, "compiled_over_eager": 1.1})
+                                           for name in ("hf", "segments", "segments+head", "segments+liger", "litft"))),
     "moe": Group("moe_experts.py", ["--device", "cuda", "--tokens", "8192", "--steps", "5"], 25, moe_rows,
                  sample=(json.dumps({"experts": "eager", "tokens_per_s": 60000.0}), json.dumps({"experts": "grouped_mm", "tokens_per_s": 300000.0}))),
     "8b_lora": Group(VS, _vs("8b-lora", "--seq_len", "4096", "--sides", "litft,trainer", steps=5), 150, trainer_rows,
@@ -193,8 +202,10 @@ def check_flags(group: Group, argv: List[str]) -> None:
         unknown = set(args.runs.split(",")) - set(vs_hf_trainer.CUDA_RUNS) | set(args.sides.split(",")) - set(vs_hf_trainer.SIDES)
         if unknown:
             raise SystemExit(f"{group.script}: unknown runs or sides {sorted(unknown)}")
-    elif group.script in AGAINST_TRL:
-        importlib.import_module(Path(group.script).stem).parse_args(argv)
+    else:
+        module = importlib.import_module(Path(group.script).stem)
+        if hasattr(module, "parse_args"):
+            module.parse_args(argv)
 
 
 def stream_rows(argv: List[str], limit: float) -> tuple:

@@ -39,3 +39,18 @@ def test_a_side_that_fails_is_named_with_what_it_died_of_and_the_rest_is_read():
     assert trainer_rows(got, {}) == {"gpu_8b_lora_tok_s": 14000.0, "gpu_8b_lora_mfu": 0.5}
     _, stopped = stream_rows([sys.executable, "-c", "import sys; sys.stderr.write('torch.OutOfMemoryError: CUDA out of memory\\n'); sys.exit(1)"], 30)
     assert stopped == "exited 1: torch.OutOfMemoryError: CUDA out of memory"
+
+
+def test_the_compile_ablation_runs_each_variant_eager_and_compiled_on_the_cpu():
+    """The GPU record's diagnosis of compile, at a tiny width: litft's attention and fused head compile as one code for
+    every block (no recompile per layer), and each line pairs with its eager twin; Liger's variants say why they skip."""
+    import json
+
+    args = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--seq", "32", "--steps", "2", "--variants", "segments+head,litft"]
+    out = subprocess.run([sys.executable, str(BENCH / "compile_ablation.py"), *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    eager, compiled, liger = rows
+    assert (eager["compiled"], eager["compiled_frames"]) == (False, 0) and eager["tokens_per_s"] > 0
+    assert compiled["compiled"] and compiled["compiled_frames"] == 1 and compiled["compiled_over_eager"] > 0
+    assert liger == {"variant": "litft", "skipped": "Liger's kernels run on CUDA only"}
