@@ -6,6 +6,7 @@ compiler (seconds on every process start), which a run without LoRA never needs.
 
 import contextlib
 import dataclasses
+import types
 import warnings
 from typing import Optional
 
@@ -115,7 +116,7 @@ def apply_lora(model, lora: LoraArgs):
 
     if not any(is_experts(module) for module in model.modules()):
         try:
-            return keep_one_input_per_layer(get_peft_model(model, peft_config(lora, model)))
+            return add_adapters_in_one_matmul(keep_one_input_per_layer(get_peft_model(model, peft_config(lora, model))))
         except ValueError as err:
             raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
     # MoE experts stored as one 3-D tensor per layer take adapters through peft's ParamWrapper, which has no dropout:
@@ -132,7 +133,7 @@ def apply_lora(model, lora: LoraArgs):
         if isinstance(dropouts, torch.nn.ModuleDict) and type(module).__name__ != "ParamWrapper":
             for name in dropouts:
                 dropouts[name] = torch.nn.Dropout(p=lora.dropout)
-    return keep_one_input_per_layer(peft_model)
+    return add_adapters_in_one_matmul(keep_one_input_per_layer(peft_model))
 
 
 class _DroppedInputMatmul(torch.autograd.Function):
@@ -142,27 +143,39 @@ class _DroppedInputMatmul(torch.autograd.Function):
     own copy of the layer's input, at the input's full width and dtype. Here they keep the input they share and a boolean
     mask each. The mask is drawn as torch's dropout draws it (one bernoulli per element from the same generator), so a
     run takes the same values as peft's; matmuls run in the dtype autocast chose in the forward, as autograd's would.
+    Under autocast ``x`` comes in the run's low precision while the adapter is fp32 (``_input_as_it_comes``): the dropout
+    is applied in fp32 as peft's cast of the input had it, and the dropped input is kept in the precision the matmul read
+    it in, half what peft kept, with nothing to recompute in the backward.
     """
 
     @staticmethod
     def forward(ctx, x, weight, p: float):
-        noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)  # what torch's dropout multiplies its input by
-        out = torch.nn.functional.linear(x * noise, weight)
-        ctx.save_for_backward(x, noise != 0, weight)
-        ctx.p, ctx.dtype = p, out.dtype
+        ctx.p, ctx.x_dtype = p, x.dtype
+        ctx.kept_dropped = x.dtype != weight.dtype and torch.is_autocast_enabled(x.device.type)
+        if ctx.kept_dropped:
+            noise = torch.empty(x.shape, dtype=weight.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+            dropped = (x.to(weight.dtype) * noise).to(torch.get_autocast_dtype(x.device.type))
+            out = torch.nn.functional.linear(dropped, weight)
+            ctx.save_for_backward(dropped, noise != 0, weight)
+        else:
+            noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)  # what torch's dropout multiplies its input by
+            out = torch.nn.functional.linear(x * noise, weight)
+            ctx.save_for_backward(x, noise != 0, weight)
+        ctx.dtype = out.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, keep, weight = ctx.saved_tensors
-        noise = keep.to(x.dtype).div_(1 - ctx.p)
+        kept, keep, weight = ctx.saved_tensors  # the dropped input (kept_dropped), else the input itself
+        wide = weight.dtype if ctx.kept_dropped else ctx.x_dtype
+        noise = keep.to(wide).div_(1 - ctx.p)
         grad = grad.to(ctx.dtype)
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_x = (grad @ weight.to(ctx.dtype)).to(x.dtype) * noise
+            grad_x = ((grad @ weight.to(ctx.dtype)).to(wide) * noise).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dropped = (x * noise).to(ctx.dtype)
-            grad_weight = (grad.reshape(-1, grad.shape[-1]).t() @ dropped.reshape(-1, x.shape[-1])).to(weight.dtype)
+            dropped = kept if ctx.kept_dropped else (kept * noise).to(ctx.dtype)
+            grad_weight = (grad.reshape(-1, grad.shape[-1]).t() @ dropped.reshape(-1, kept.shape[-1])).to(weight.dtype)
         return grad_x, grad_weight, None
 
 
@@ -177,18 +190,75 @@ class DroppedInputLinear(torch.nn.Linear):
         return super().forward(x)
 
 
+def _input_as_it_comes(self, x, dtype):
+    """peft's cast of an adapter's input to the adapter's dtype, left out under autocast.
+
+    Under bf16-mixed the frozen base is bf16 and the adapters fp32: peft copied each LoRA layer's bf16 input to fp32,
+    and autocast copied it back to bf16 for the adapter's matmul, in the forward and again for the gradient, for every
+    adapter of every layer. The values are the same either way (bf16 -> fp32 -> bf16 is exact); the adapter's matmul
+    now reads the input the base layer read, and keeps that one for its backward instead of a copy of its own.
+    """
+    if x is not None and x.dtype != dtype and torch.is_autocast_enabled(x.device.type):
+        return x
+    return type(self)._cast_input_dtype(self, x, dtype)
+
+
 def keep_one_input_per_layer(peft_model):
     """Each adapter's dropout moved into its A matrix (``DroppedInputLinear``): in training, the adapters of a layer keep the
     input they share and a mask each instead of a copy each (ZeRO-3 LoRA on a 0.97 GB Llama: 0.79 -> 0.72 of the model
-    per rank at the default dropout, as at none)."""
+    per rank at the default dropout, as at none). Under autocast the input reaches the adapters uncast
+    (``_input_as_it_comes``)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
     for module in peft_model.modules():
         dropouts, a_matrices = getattr(module, "lora_dropout", None), getattr(module, "lora_A", None)
         if not isinstance(dropouts, torch.nn.ModuleDict) or not isinstance(a_matrices, torch.nn.ModuleDict):
             continue
+        if isinstance(module, LoraLinear):  # its adapters are nn.Linear, which autocast casts; not 4-bit or expert layers
+            module._cast_input_dtype = types.MethodType(_input_as_it_comes, module)
         for name, dropout in list(dropouts.items()):
             a = a_matrices[name] if name in a_matrices else None
             if isinstance(dropout, torch.nn.Dropout) and dropout.p > 0 and type(a) is torch.nn.Linear and a.bias is None:
                 a.__class__ = DroppedInputLinear
                 a.dropout_p = dropout.p
                 dropouts[name] = torch.nn.Identity()
+    return peft_model
+
+
+def _base_plus_adapter(self, x, *args, **kwargs):
+    """peft's LoRA Linear forward, ``base(x) + B(A(x)) * scaling``, with the second matmul adding into the base's output.
+
+    peft writes ``B(A(x))``, scales it and adds it to the base output: three passes over an output-sized tensor in the
+    forward and one more in the backward, for every adapted layer. ``addmm`` does the scaling and the sum inside the
+    matmul (one rounding instead of three in low precision). The plain case only: one active adapter without a
+    variant (DoRA...), a bias on B or a dropout module of its own (litft moves dropout into A), plain tensors (not
+    tensor parallel's DTensors, not ZeRO-3's partitions), and dtypes that autocast makes one or that already are;
+    anything else is peft's own forward.
+    """
+    active = self.active_adapters
+    name = active[0] if len(active) == 1 else None
+    plain = (
+        name is not None and not args and not kwargs and not self.disable_adapters and not self.merged and name in self.lora_A
+        and name not in self.lora_variant and self.lora_B[name].bias is None and type(self.lora_dropout[name]) is torch.nn.Identity
+        and all(type(w.data) is torch.Tensor for w in (self.base_layer.weight, self.lora_A[name].weight, self.lora_B[name].weight))
+        and not hasattr(self.lora_B[name].weight, "ds_id")  # ZeRO-3 gathers B's weight only around B's own forward
+    )
+    if plain and not torch.is_autocast_enabled(x.device.type):
+        plain = x.dtype == self.lora_A[name].weight.dtype == self.lora_B[name].weight.dtype == self.base_layer.weight.dtype
+    if not plain:
+        return type(self).forward(self, x, *args, **kwargs)
+    result = self.base_layer(x)
+    low = self.lora_A[name](self._cast_input_dtype(x, self.lora_A[name].weight.dtype))
+    summed = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]), self.lora_B[name].weight.t(),
+                         alpha=self.scaling[name])
+    return summed.view(result.shape).to(result.dtype)
+
+
+def add_adapters_in_one_matmul(peft_model):
+    """Every LoRA Linear layer runs ``_base_plus_adapter``: the adapter's output summed into the base's by its second matmul."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    for module in peft_model.modules():
+        if isinstance(module, LoraLinear) and isinstance(module.base_layer, torch.nn.Linear):
+            module.forward = types.MethodType(_base_plus_adapter, module)
     return peft_model
