@@ -252,7 +252,8 @@ def run_gpu_record(chosen: Optional[List[str]], dry: bool, history: Path, second
 
         if not torch.cuda.is_available():
             raise SystemExit("record.py --accelerator cuda: no CUDA device here; --dry checks the plan on the CPU")
-    work = Path(tempfile.mkdtemp(prefix="litft-gpu-record-"))
+    # --dry only prints the commands: it names a folder without making one (CI runs it on every test run)
+    work = Path(tempfile.gettempdir()) / "litft-gpu-record-dry" if dry else Path(tempfile.mkdtemp(prefix="litft-gpu-record-"))
     figures: Dict[str, float] = {}
     began, left_out = time.monotonic(), []
     for name in names:
