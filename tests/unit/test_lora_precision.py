@@ -134,9 +134,10 @@ def test_adapter_dropout_keeps_a_mask_not_a_copy_and_trains_as_peft(tiny_dir, au
         assert torch.bool in kept and kept.count(torch.float32) == 2  # the input and the weight, no dropped copy
 
 
-def test_adapters_add_into_the_base_output_inside_their_second_matmul(tiny_dir):
+def test_adapters_add_into_the_base_output_inside_their_second_matmul(tiny_dir, monkeypatch):
     """Each LoRA Linear's ``base(x) + B(A(x)) * scaling`` as one addmm per layer: peft's loss and gradients in fp32, and peft's
-    own forward wherever the plain case does not hold (adapters disabled or merged)."""
+    own forward wherever the plain case does not hold (adapters disabled or merged). A peft before 0.16 (no variants) or 0.15
+    (no ``_cast_input_dtype``) is stood in for by deleting them."""
     import copy
 
     from peft import get_peft_model
@@ -177,3 +178,15 @@ def test_adapters_add_into_the_base_output_inside_their_second_matmul(tiny_dir):
             assert torch.equal(ours(input_ids=ids).logits, peft_model(input_ids=ids).logits)
         ours.merge_adapter(), peft_model.merge_adapter()
         assert torch.equal(ours(input_ids=ids).logits, peft_model(input_ids=ids).logits)
+        ours.unmerge_adapter(), peft_model.unmerge_adapter()
+        from peft.tuners.lora.layer import Linear as LoraLinear
+
+        expected = ours(input_ids=ids).logits
+        for module in ours.modules():
+            if isinstance(module, LoraLinear):
+                del module.lora_variant
+        for owner in LoraLinear.__mro__:
+            if "_cast_input_dtype" in vars(owner):
+                monkeypatch.delattr(owner, "_cast_input_dtype")
+        assert not hasattr(LoraLinear, "_cast_input_dtype")
+        torch.testing.assert_close(ours(input_ids=ids).logits, expected, rtol=0, atol=0)
