@@ -6,8 +6,14 @@ what runs a machine out of memory.
 """
 
 import argparse
+import os
 import threading
 from pathlib import Path
+
+
+def python_path(*first: Path) -> str:
+    """A child process's PYTHONPATH: ``first``, then the caller's own, so wheels a GPU call installed there stay importable."""
+    return os.pathsep.join(filter(None, (*map(str, first), os.environ.get("PYTHONPATH"))))
 
 
 def resident_mb(field: str = "RssAnon") -> float:

@@ -68,7 +68,9 @@ def config_of(args):
 
 
 def micro_batch(args, vocab: int, padding_free: bool, device: str) -> dict:
-    """One micro-batch as litft's collate lays it out, on the device (what the loop's to_device gives the model)."""
+    """One micro-batch as litft's collate lays it out, on the device as the loop's ``fabric.to_device`` moves it."""
+    from lightning_fabric.utilities.apply_func import move_data_to_device
+
     from litft.data.collate import collate
 
     generator = torch.Generator().manual_seed(0)
@@ -76,14 +78,7 @@ def micro_batch(args, vocab: int, padding_free: bool, device: str) -> dict:
     for index in range(args.batch):
         ids = torch.randint(0, vocab, (args.seq,), generator=generator)
         samples.append({"input_ids": ids, "labels": ids.clone(), "id": index})
-    batch = collate(samples, pad_id=0, padding_free=padding_free)
-
-    def moved(value):
-        if isinstance(value, torch.Tensor):
-            return value.to(device)
-        return {key: moved(inner) for key, inner in value.items()} if isinstance(value, dict) else value
-
-    return moved(batch)
+    return move_data_to_device(collate(samples, pad_id=0, padding_free=padding_free), torch.device(device))
 
 
 def step_loss(lm, batch: dict) -> torch.Tensor:

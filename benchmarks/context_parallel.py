@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchkit import model_folder
+from benchkit import model_folder, python_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ def main() -> None:
           f"global batch {args.global_batch} rows; budget {args.budget_mb:.0f} MB per rank")
     script = work / "measured_run.py"
     script.write_text(MEASURED_RUN)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT / "benchmarks"), str(ROOT), os.environ.get("PYTHONPATH")))), PYTHONUNBUFFERED="1", MALLOC_MMAP_THRESHOLD_="131072")
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT / "benchmarks", ROOT), PYTHONUNBUFFERED="1", MALLOC_MMAP_THRESHOLD_="131072")
     samples = 2 * args.global_batch * args.seq_len // 24  # TinyTasks samples run about 30 tokens: enough for two steps
     for split in args.splits:
         out = work / f"run-cp{split}"

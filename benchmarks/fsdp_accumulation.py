@@ -31,7 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchkit import model_folder
+from benchkit import model_folder, python_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def main() -> None:
     script.write_text(MEASURED_RUN)
     # Every allocation of 128 KiB or more gets its own mapping, returned on free: resident memory then follows
     # the live tensors instead of what glibc's heap keeps, which varied by +-200 MB from step to step.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT / "benchmarks"), str(ROOT), os.environ.get("PYTHONPATH")))), PYTHONUNBUFFERED="1", MALLOC_MMAP_THRESHOLD_="131072")
+    env = dict(os.environ, PYTHONPATH=python_path(ROOT / "benchmarks", ROOT), PYTHONUNBUFFERED="1", MALLOC_MMAP_THRESHOLD_="131072")
     peaks: dict = {}
     for global_batch in (2 * args.devices, 8 * args.devices):  # micro-batch 2 on each rank: 1 and 4 micro-batches per step
         command = [

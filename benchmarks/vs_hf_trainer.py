@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from benchkit import python_path
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "BENCH-RESULT "
 SIDES = ("litft", "trainer", "trainer-best", "litft-padded", "litft-plain-loss", "litft-compiled", "litft-eager", "litft-fp8", "litft-liger")
@@ -195,7 +197,7 @@ def run_litft(flags: list, work: Path, threads: int) -> float:
 
 def child_env(threads: int) -> dict:
     """A side's environment: the repository first on the caller's path, so wheels the caller put there (a GPU call's) stay."""
-    return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=python_path(ROOT))
 
 
 def peer_side(script: str, raw: list, work: Path, side: str, threads: int) -> dict:

@@ -114,21 +114,17 @@ def apply_lora(model, lora: LoraArgs):
         param.requires_grad_(False)
     from peft import get_peft_model
 
-    if not any(is_experts(module) for module in model.modules()):
-        try:
-            return add_adapters_in_one_matmul(keep_one_input_per_layer(get_peft_model(model, peft_config(lora, model))))
-        except ValueError as err:
-            raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
     # MoE experts stored as one 3-D tensor per layer take adapters through peft's ParamWrapper, which has no dropout:
     # adapters are added without it, then every adapter on an ordinary layer gets the dropout back.
-    if lora.writes_merged:
+    experts = any(is_experts(module) for module in model.modules())
+    if experts and lora.writes_merged:
         raise LitftError("--export merged cannot yet fold adapters into MoE experts' 3-D tensors; use --export adapter (peft loads it onto the model)")
     try:
-        with quiet_peft():
-            peft_model = get_peft_model(model, expert_lora_config(model.config, lora))
+        with quiet_peft() if experts else contextlib.nullcontext():
+            peft_model = get_peft_model(model, expert_lora_config(model.config, lora) if experts else peft_config(lora, model))
     except ValueError as err:
         raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
-    for module in peft_model.modules():
+    for module in peft_model.modules() if experts else ():
         dropouts = getattr(module, "lora_dropout", None)
         if isinstance(dropouts, torch.nn.ModuleDict) and type(module).__name__ != "ParamWrapper":
             for name in dropouts:
@@ -256,7 +252,7 @@ def _base_plus_adapter(self, x, *args, **kwargs):
         return (result + self.lora_B[name](low) * self.scaling[name]).to(result.dtype)
     summed = torch.addmm(result.reshape(-1, result.shape[-1]), low.reshape(-1, low.shape[-1]), self.lora_B[name].weight.t(),
                          alpha=self.scaling[name])
-    return summed.view(result.shape).to(result.dtype)
+    return summed.view(result.shape)  # result's dtype: the operands' own, or autocast's, which low showed result to have
 
 
 def add_adapters_in_one_matmul(peft_model):
