@@ -8,6 +8,7 @@ quantizes a unit at a time as it fills (ZeRO-3); the estimate, and that strategy
 put the same 4-bit layers in place without weights.
 """
 
+import dataclasses
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -82,6 +83,21 @@ def build_model(
     return model
 
 
+def switch_off_dropout(model: torch.nn.Module) -> int:
+    """Every dropout of the model at 0 (``nn.Dropout`` modules, and the rates attention layers read as plain floats), as TRL's
+    ``disable_dropout``: RL samples in eval mode, and with dropout in training the loss would score another policy than the
+    one that sampled. The number of rates set to 0."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p:
+            module.p, switched = 0.0, switched + 1
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and type(value) is float and value:
+                setattr(module, name, 0.0)
+                switched += 1
+    return switched
+
+
 def enable_checkpointing(model) -> None:
     """Recompute each block in the backward; transformers 5 calls it activation checkpointing, older releases gradient checkpointing."""
     if hasattr(model, "activation_checkpointing_enable"):
@@ -100,6 +116,10 @@ def build_module(
     The strategy builds the structure (on the meta device, or partitioned as it is
     built) and says how it is filled. ``config``: the model's, where the caller read it already.
     """
+    objective = objective or ObjectiveArgs()
+    without_dropout = objective.rl and objective.disable_dropout
+    if without_dropout and lora is not None and lora.dropout:
+        lora = dataclasses.replace(lora, dropout=0.0)
     quantized = lora is not None and lora.quantize is not None
     # A 4-bit base is loaded whole by transformers unless the strategy quantizes it unit by unit as it fills (ZeRO-3).
     loads_4bit = quantized and not strategy.fills_4bit
@@ -108,7 +128,9 @@ def build_module(
         attention=attention, structure=skeleton if quantized else strategy.structure, liger=liger, dtype=strategy.model_dtype,
         frozen_dtype=strategy.frozen_base_dtype(precision), fp8=fp8, fp8_all_gather=fp8 == "tensorwise" and strategy.gathers_fp8,
     )
-    lm = CausalLM(model, train, total_steps=total_steps, objective=build_objective(objective or ObjectiveArgs(), lora is not None))
+    if without_dropout:
+        switch_off_dropout(model)
+    lm = CausalLM(model, train, total_steps=total_steps, objective=build_objective(objective, lora is not None))
     lm.fp8_all_gather = fp8 == "tensorwise" and strategy.gathers_fp8
     if compile:
         # Each block on its own, before any strategy wraps or shards it; compiled lazily, at its first call.

@@ -22,7 +22,7 @@ from litft.checkpoint.format import CHECKPOINTS, META, CheckpointMeta, resolve_r
 from litft.data.sft import JSON
 from litft.device import resolve_accelerator
 from litft.errors import LitftError
-from litft.evaluation import stop_tokens
+from litft.generation import stop_tokens
 from litft.flags import GENERATION, PROMPT, TRAINED_MODEL, command
 from litft.model import load_tokenizer, resolve_model
 

@@ -180,7 +180,7 @@ def validate_and_log(trainer, scoring: bool) -> None:
         metrics.update(objective.validation_figures(metrics["val_loss"], None if figures is None else fabric.all_reduce(figures, reduce_op="sum")))
     if scoring and spec.eval.score_samples and not objective.generates:
         prompts = data.scoring[: spec.eval.score_samples]
-        metrics["val_score"] = score(fabric, trainer.module, prompts, trainer.tokenizer, spec.eval.max_new_tokens, tensor=trainer.context.tensor)
+        metrics["val_score"] = score(trainer.generation, prompts, trainer.tokenizer, spec.eval.max_new_tokens)
     trainer.module.train()
     if metrics:
         fabric.log_dict(metrics, step=state.step)

@@ -69,7 +69,8 @@ class TargetCrossEntropy(torch.autograd.Function):
 
 
 class TargetLogProbs(torch.autograd.Function):
-    """log p(target) of each token under ``hidden @ weight.T + bias``, a chunk of tokens at a time.
+    """log p(target) of each token under ``(hidden @ weight.T + bias) * scale``, a chunk of tokens at a time (``scale``: one
+    over RL's sampling temperature).
 
     A preference objective weighs each token's log-prob by its sequence's gradient, known only after every sequence
     is summed: so the forward keeps no logits and the backward computes each chunk's again (one more head matmul
@@ -77,14 +78,16 @@ class TargetLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, rows: int):
+    def forward(ctx, hidden, weight, bias, targets, rows: int, scale: float = 1.0):
         out = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], rows):
             logits = F.linear(hidden[start : start + rows], weight, bias).float()
+            if scale != 1.0:
+                logits.mul_(scale)
             y = targets[start : start + rows]
             out[start : start + rows] = logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.rows = rows
+        ctx.rows, ctx.scale = rows, scale
         # The backward computes the logits again as the forward did: under the same autocast, if one was on.
         device = hidden.device.type
         ctx.autocast = (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
@@ -107,9 +110,10 @@ class TargetLogProbs(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and grads[2] else None
         for start in range(0, hidden.shape[0], ctx.rows):
             h, y, g_out = hidden[start : start + ctx.rows], targets[start : start + ctx.rows], grad_output[start : start + ctx.rows].float()
-            # d log softmax[y] / d logits = one_hot(y) - softmax, scaled by each token's incoming gradient
-            g = torch.softmax(F.linear(h, weight, bias).float(), dim=-1).mul_(-g_out[:, None])
-            g[torch.arange(len(y), device=y.device), y] += g_out
+            # d log softmax(s z)[y] / d z = s (one_hot(y) - softmax(s z)), scaled by each token's incoming gradient
+            logits = F.linear(h, weight, bias).float()
+            g = torch.softmax(logits.mul_(ctx.scale) if ctx.scale != 1.0 else logits, dim=-1).mul_(-g_out[:, None] * ctx.scale)
+            g[torch.arange(len(y), device=y.device), y] += g_out * ctx.scale
             if grad_bias is not None:
                 grad_bias += g.sum(0)
             g = g.to(h.dtype)
@@ -118,13 +122,15 @@ class TargetLogProbs(torch.autograd.Function):
             if grad_weight is not None:
                 grad_weight += (g.t() @ h.to(g.dtype)).float()
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
-        return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None
+        return grad_hidden, cast(grad_weight, weight), cast(grad_bias, bias), None, None, None
 
 
-def target_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], index: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probs of the tokens at ``index`` (flat positions in the batch) predicting ``labels``, one per token."""
+def target_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], index: torch.Tensor, labels: torch.Tensor,
+                     scale: float = 1.0) -> torch.Tensor:
+    """Log-probs of the tokens at ``index`` (flat positions in the batch) predicting ``labels``, one per token, under the
+    softmax of the logits times ``scale``."""
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
-    return TargetLogProbs.apply(flat, weight, bias, labels, chunk_rows(weight.shape[0]))
+    return TargetLogProbs.apply(flat, weight, bias, labels, chunk_rows(weight.shape[0]), scale)
 
 
 def target_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], index: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -137,8 +143,10 @@ def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
     """The head, or, while ``self.loss_targets`` is set by the step, the summed loss of the target tokens (their log-probs, per token)."""
     if self.loss_targets is None:
         return F.linear(hidden, self.weight, self.bias)
-    index, labels, per_token = self.loss_targets
-    return (target_log_probs if per_token else target_loss)(hidden, self.weight, self.bias, index, labels)
+    index, labels, per_token, scale = self.loss_targets
+    if per_token:
+        return target_log_probs(hidden, self.weight, self.bias, index, labels, scale)
+    return target_loss(hidden, self.weight, self.bias, index, labels)
 
 
 def head_feeds_loss_unchanged(hf_model) -> bool:

@@ -204,12 +204,13 @@ class CausalLM(torch.nn.Module):
         aux = getattr(out, "aux_loss", None)
         return out.logits if aux is None else (out.logits, aux)
 
-    def head_forward(self, batch: dict, targets: dict, per_token: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool]:
+    def head_forward(self, batch: dict, targets: dict, per_token: bool, temperature: float = 1.0) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool]:
         """The forward with the head on the target tokens only where it can (litft.loss): their summed loss, or their log-probs
-        (``per_token``); else the logits. With the router's auxiliary loss (MoE) or None, and whether the head computed it."""
+        (``per_token``, of the logits over ``temperature``); else the logits. With the router's auxiliary loss (MoE) or None,
+        and whether the head computed it."""
         head = fused_head(self.hf_model)
         if head is not None:
-            head.loss_targets = (targets["index"], targets["labels"], per_token)
+            head.loss_targets = (targets["index"], targets["labels"], per_token, 1.0 / temperature)
         try:
             with counting_only(batch.get("real")):
                 out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
@@ -219,13 +220,16 @@ class CausalLM(torch.nn.Module):
         value, aux = out if isinstance(out, tuple) else (out, None)
         return value, aux, head is not None
 
-    def token_log_probs(self, batch: dict) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Log-prob of each target token (no full-vocabulary logits kept where the head computes them), and the router's auxiliary loss."""
+    def token_log_probs(self, batch: dict, temperature: float = 1.0) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-prob of each target token under softmax(logits / ``temperature``) (no full-vocabulary logits kept where the head
+        computes them), and the router's auxiliary loss."""
         targets = batch["targets"]
-        value, aux, fused = self.head_forward(batch, targets, per_token=True)
+        value, aux, fused = self.head_forward(batch, targets, per_token=True, temperature=temperature)
         if fused:
             return value, aux
         picked = value.reshape(-1, value.shape[-1]).index_select(0, targets["index"]).float()
+        if temperature != 1.0:
+            picked = picked / temperature
         return torch.log_softmax(picked, dim=-1).gather(1, targets["labels"][:, None]).squeeze(1), aux
 
     def with_router_aux(self, loss: torch.Tensor, aux: Optional[torch.Tensor], weight: int) -> torch.Tensor:

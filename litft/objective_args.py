@@ -59,6 +59,8 @@ class ObjectiveArgs:
     """GRPO: optimizer steps per batch of rollouts (mu); above 1 the rollouts' log-probs under the sampling policy are kept as the ratio's denominator."""
     importance: Literal["token", "sequence"] = "token"
     """GRPO: the probability ratio per token (GRPO, DAPO) or per completion from its mean log-prob ratio (GSPO)."""
+    disable_dropout: bool = True
+    """GRPO: set every dropout of the model and of LoRA's adapters to 0 (TRL's disable_dropout), so that the loss trains the policy that sampled; rollouts are sampled in eval mode either way."""
 
     @classmethod
     def of(cls, value) -> "ObjectiveArgs":

@@ -2,15 +2,15 @@
 
 The engine is an interface (``Engine.sample``) so that another one (vLLM) can come later
 without touching the loop; the first is transformers' ``generate`` on the trained weights,
-under every strategy (FSDP2 and ZeRO-3 gather as they train, every rank making the same
-number of forwards, ``synced_gpus``). Rollouts are a function of (seed, epoch, step,
-prompt index) and never of the rank layout: each completion draws its tokens from noise
-hashed from those numbers (litft.engine.GumbelSampler), whichever prompts share its
-batch, so two ranks sample what one process samples, and a resumed run samples what
+through litft.generation under every strategy (every rank making the same number of
+forwards, ``synced_gpus``), in eval mode. Rollouts are a function of (seed, epoch, step,
+prompt index) and never of the rank layout: each completion draws its tokens from
+uniforms hashed from those numbers (litft.generation.Sampler), whichever prompts share
+its batch, so two ranks sample what one process samples, and a resumed run samples what
 the uninterrupted one did. A step's prompts are cut into runs of ``generation_batch``
 in their global order, each run's groups sampled together on one rank; the batch's
 width and padding can still move a logit in its last bits, which changes a token only
-where two perturbed logits tie to that precision.
+where a uniform falls that close to a boundary of the cumulative probabilities.
 """
 
 import hashlib
@@ -27,7 +27,7 @@ from litft.data.order import SampleOrder
 from litft.data.prompts import columns_of, reward_view
 from litft.data.samples import IGNORE_INDEX
 from litft.errors import LitftError
-from litft.engine import TransformersEngine, left_padded
+from litft.engine import TransformersEngine
 from litft.objectives.rewards import group_advantages, score_completions, weighted_sum
 
 ROLLOUTS_FILE = "rollouts.pt"  # a cycle's rollouts in a checkpoint cut inside it (--objective.iterations above 1)
@@ -79,7 +79,8 @@ class RolloutBatches:
         self.order = SampleOrder(len(self.prompts), train.global_batch_size, per_rank, place.data_rank, place.data_world, spec.seed)
         self.together = args.generation_batch or next(n for n in (16, 8, 4, 2, 1) if per_rank % n == 0)
         self.place = place
-        self.engine = TransformersEngine(trainer.fabric, trainer.module, trainer.tokenizer, args.max_new_tokens, args.temperature, args.top_p)
+        self.generation = trainer.generation
+        self.engine = TransformersEngine(trainer.generation, args.max_new_tokens, args.temperature, args.top_p)
         self.micro_batch_size, self.padding_free, self.seed = train.micro_batch_size, trainer.padding_free, spec.seed
         self.cycle: Optional[Tuple[int, int]] = None
         self.micro: List[dict] = []
@@ -118,13 +119,25 @@ class RolloutBatches:
 
     def chunks(self, epoch: int, cycle: int) -> List[List[int]]:
         """This rank's prompts of a cycle in the groups sampled together: the cycle's prompts cut into runs of
-        ``generation_batch`` in their global order and dealt out to the ranks in turn, so that which prompts share a batch
-        (and its padding) does not depend on how many ranks there are."""
+        ``generation_batch`` in their global order and dealt out to the ranks in turn (litft.generation.deal), so that
+        which prompts share a batch (and its padding) does not depend on how many ranks there are."""
         step_prompts = self.order.global_batch_size
         start = cycle * step_prompts
         prompts = self.order.permutation(epoch)[start : start + step_prompts]
-        runs = [prompts[i : i + self.together] for i in range(0, len(prompts), self.together)]
-        return runs[self.place.data_rank :: self.place.data_world]
+        return [[prompts[i] for i in run] for run in self.generation.deal(len(prompts), self.together)]
+
+    def sample(self, epoch: int, cycle: int, chunks: List[List[int]]) -> Tuple[List[dict], float]:
+        """Each prompt's group of completions, sampled by the engine in eval mode, and their summed entropy."""
+        groups, entropy = [], 0.0
+        with self.engine.rollouts():
+            for chunk in chunks:
+                prompts = [self.prompts[index]["input_ids"].tolist() for index in chunk]
+                seeds = [rollout_seed(self.seed, epoch, cycle, index) for index in chunk]
+                sampled, chunk_entropy = self.engine.sample(prompts, self.args.group_size, seeds)
+                entropy += chunk_entropy
+                groups += [{"completions": [c.tokens for c in group], "cuts": [c.cut for c in group],
+                            "logprobs": [c.logprobs for c in group]} for group in sampled]
+        return groups, entropy
 
     def roll(self, epoch: int, cycle: int, first_step: int) -> List[dict]:
         """This rank's rollouts of a cycle as micro-batches: sampled (or read back from the checkpoint), scored, advantaged."""
@@ -133,16 +146,12 @@ class RolloutBatches:
         mine = [i for chunk in chunks for i in chunk]
         started = time.perf_counter()
         stored = self.stored.get("groups") if self.stored.get("cycle") == [epoch, cycle] else None
-        groups, entropy = [], 0.0
-        for chunk in chunks:
-            if stored is not None:
-                groups += [stored[index] for index in chunk]
-                continue
-            prompts = [self.prompts[index]["input_ids"].tolist() for index in chunk]
-            seeds = [rollout_seed(self.seed, epoch, cycle, index) for index in chunk]
-            completions, cuts, chunk_entropy = self.engine.sample(prompts, args.group_size, seeds)
-            entropy += chunk_entropy
-            groups += [{"completions": c, "cuts": k} for c, k in zip(completions, cuts)]
+        if stored is not None:
+            # Rollouts kept by an earlier litft have no engine log-probs: the sampler's, recomputed then, stand in.
+            groups = [{"logprobs": [t.tolist() for t in stored[index]["old_logp"]], **stored[index]} for index in mine]
+            entropy = 0.0
+        else:
+            groups, entropy = self.sample(epoch, cycle, chunks)
         generation_s = time.perf_counter() - started
         try:
             rewards, by_function = self.score(mine, groups)
@@ -155,7 +164,7 @@ class RolloutBatches:
             mean = float(totals[0] / totals[2])
             batch_std = max(float(totals[1] / totals[2]) - mean * mean, 0.0) ** 0.5
         advantages = group_advantages(rewards, args.scale_advantages, batch_std)
-        samples, per_sample = [], []
+        samples, per_sample, engine_logps = [], [], []
         for g, (index, group) in enumerate(zip(mine, groups)):
             prompt = self.prompts[index]["input_ids"]
             for j, completion in enumerate(group["completions"]):
@@ -163,11 +172,14 @@ class RolloutBatches:
                 labels = torch.cat([torch.full_like(prompt, IGNORE_INDEX), torch.tensor(completion, dtype=torch.long)])
                 samples.append({"input_ids": ids, "labels": labels, "id": torch.tensor(index * args.group_size + j)})
                 per_sample.append(float(advantages[g, j]))
+                engine_logps.append(torch.tensor(group["logprobs"][j], dtype=torch.float32))
         micro = []
         for start in range(0, len(samples), self.micro_batch_size):
             batch = collate(samples[start : start + self.micro_batch_size], self.pad, self.padding_free)
             batch["targets"]["sequence"] = sequence_of(batch["targets"]["index"], batch["position_ids"])
             batch["advantage"] = torch.tensor(per_sample[start : start + self.micro_batch_size], dtype=torch.float32)
+            # The engine's log-prob of each target token (targets are in sample order, a completion's tokens each).
+            batch["engine_logp"] = torch.cat(engine_logps[start : start + self.micro_batch_size])
             micro.append(batch)
         if args.iterations > 1:
             self.sampler_log_probs(micro, mine, groups, stored)
@@ -186,7 +198,8 @@ class RolloutBatches:
 
     @torch.no_grad()
     def sampler_log_probs(self, micro: List[dict], mine: List[int], groups: List[dict], stored) -> None:
-        """The completions' log-probs under the policy that sampled them (the ratio's denominator for every iteration)."""
+        """The completions' log-probs under the policy that sampled them, at the sampling temperature, as the trainer computes
+        them (the ratio's denominator for every iteration); their distance from the engine's is logged."""
         lm, fabric = self.trainer.lm, self.fabric
         if stored is not None:  # read back with the rollouts: the weights that sampled them are gone
             flat = torch.cat([torch.cat(g["old_logp"]) for g in groups]) if groups else torch.zeros(0)
@@ -196,7 +209,7 @@ class RolloutBatches:
             parts = []
             for batch in micro:
                 with fabric.autocast():
-                    parts.append(lm.token_log_probs(fabric.to_device(batch))[0].float().cpu())
+                    parts.append(lm.token_log_probs(fabric.to_device(batch), self.args.temperature)[0].float().cpu())
             lm.train(was)
             flat = torch.cat(parts) if parts else torch.zeros(0)
         start = 0
@@ -204,6 +217,10 @@ class RolloutBatches:
             n = len(batch["targets"]["index"])
             batch["old_logp"] = flat[start : start + n]
             start += n
+        if stored is None:
+            engine = torch.cat([b["engine_logp"] for b in micro]) if micro else torch.zeros(0)
+            self.objective.pending.append(self.objective.figure_vector(
+                fabric.device, logprob_gap=float((engine - flat).abs().sum()), gap_tokens=float(len(flat))))
 
     def keep(self, epoch: int, cycle: int, mine: List[int], groups: List[dict], micro: List[dict]) -> None:
         """Every rank's rollouts of the cycle, with their sampler log-probs, in the checkpoints cut inside it."""
@@ -227,12 +244,14 @@ class RolloutBatches:
         objective.pending.append(objective.figure_vector(fabric.device, **values))
         rows, k = [], 0
         for g, (index, group) in enumerate(zip(mine, groups)):
-            prompt = tokenizer.decode(self.prompts[index]["input_ids"], skip_special_tokens=True)
+            prompt_ids = self.prompts[index]["input_ids"].tolist()
+            prompt = tokenizer.decode(prompt_ids, skip_special_tokens=True)
             for j, completion in enumerate(group["completions"]):
                 rows.append({"prompt_index": index, "completion_index": j, "prompt": prompt,
                              "completion": tokenizer.decode(completion, skip_special_tokens=True), "cut": group["cuts"][j],
                              "rewards": {name: scores[k] for name, scores in by_function.items()}, "reward": float(rewards[g, j]),
-                             "advantage": float(advantages[g, j])})
+                             "advantage": float(advantages[g, j]), "prompt_ids": prompt_ids, "completion_ids": list(completion),
+                             "logprobs": [round(v, 6) for v in group["logprobs"][j]]})
                 k += 1
         everyone = gather(fabric, rows)[:: self.place.shared]  # a tensor-parallel group's ranks sampled the same rollouts
         if fabric.is_global_zero:
@@ -255,25 +274,14 @@ def with_old_logp(groups: List[dict], micro: List[dict]) -> List[dict]:
     return out
 
 
-@torch.no_grad()
 def held_out_reward(trainer, objective) -> Optional[Dict[str, float]]:
     """The mean reward of one greedy completion of each held-out prompt, every rank its share, and each function's mean."""
     data, fabric = trainer.data, trainer.fabric
     if not data.val:
         return None
-    engine = TransformersEngine(fabric, trainer.module, trainer.tokenizer, objective.args.max_new_tokens, 1.0, 1.0)
-    place = trainer.context
-    mine = list(range(place.data_rank, len(data.val), place.data_world))
-    per_rank = -(-len(data.val) // place.data_world)
-    engine.model.eval()
-    scored = []
-    for start in range(0, per_rank, trainer.spec.train.micro_batch_size):
-        chunk = mine[start : start + trainer.spec.train.micro_batch_size]
-        batch = chunk or [0]  # a stand-in: every rank makes the same generate calls
-        input_ids, mask = left_padded([data.val[i]["input_ids"].tolist() for i in batch], trainer.tokenizer.pad_token_id)
-        out = engine.generate(input_ids.to(fabric.device), mask.to(fabric.device))
-        scored += [(data.val[i], [engine.completion(row)[0]]) for i, row in zip(chunk, out[:, input_ids.shape[1]:].cpu())]
-    engine.model.train()
+    prompts = [sample["input_ids"].tolist() for sample in data.val]
+    answers = trainer.generation.greedy(prompts, objective.args.max_new_tokens, trainer.spec.train.micro_batch_size)
+    scored = [(data.val[i], [answer.tokens]) for i, answer in enumerate(answers) if answer is not None]
     by_function, total = judge(trainer.tokenizer, objective, scored)
     sums = [sum(total), float(len(total))]
     for name in objective.rewards:

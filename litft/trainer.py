@@ -39,6 +39,7 @@ from litft.experts import describe as describe_experts
 from litft.flops import StepFlops
 from litft.fp8 import check as check_fp8
 from litft.fp8 import describe as describe_fp8
+from litft.generation import Generation
 from litft.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.loop import LoopState, fit
 from litft.metrics import Cadence, SampleLog, StepMeter, StopRequests
@@ -190,6 +191,7 @@ class Trainer:
         if spec.fp8 is not None:
             fabric.print(describe_fp8(spec.fp8, self.lm.model.fp8_layers, self.lm.hf_model))
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
+        self.generation = Generation(fabric, self.module, self.tokenizer, self.context)  # evaluation's answers, RL's rollouts
         keep_rotary_fp32(self.lm)
         experts = describe_experts(self.lm.hf_model, fabric.device.type, compute_dtype(self.precision))
         if experts:

@@ -32,7 +32,7 @@ from litft.objectives.rewards import load_rewards
 
 ROLLOUT_STATS = ("rollout_steps", "prompts", "completions", "completion_tokens", "cut", "equal_groups", "entropy", "generation_s",
                  "reward", "reward_sq")
-LOSS_STATS = ("loss_tokens", "clipped_tokens", "kl", "ratio")
+LOSS_STATS = ("loss_tokens", "clipped_tokens", "kl", "ratio", "logprob_gap", "gap_tokens")
 
 
 def token_losses(logp: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor, sequence: torch.Tensor, sequences: int, args: ObjectiveArgs,
@@ -106,20 +106,25 @@ class GroupRelative(Objective):
         return vector
 
     def loss_sum(self, lm, batch: dict) -> torch.Tensor:
-        targets = batch["targets"]
-        logp, aux = lm.token_log_probs(batch)
+        targets, temperature = batch["targets"], self.args.temperature
+        # Every log-prob at the sampling temperature: the policy that sampled is softmax(logits / T) (TRL and verl alike).
+        logp, aux = lm.token_log_probs(batch, temperature)
         logp = logp.float()
-        old = batch["old_logp"].float() if "old_logp" in batch else logp.detach()
+        first = "old_logp" not in batch  # one step per batch of rollouts: this forward is the first on them
+        old = logp.detach() if first else batch["old_logp"].float()
         reference = None
         if self.uses_reference:
             with torch.no_grad(), lm.model.disable_adapter():
-                reference = lm.token_log_probs(batch)[0].float()
+                reference = lm.token_log_probs(batch, temperature)[0].float()
         sequences = len(batch["advantage"])
         losses, active, ratio = token_losses(logp, old, batch["advantage"].float(), targets["sequence"], sequences, self.args, reference)
         with torch.no_grad():
             kl = torch.zeros((), device=logp.device) if reference is None else (torch.exp(reference - logp) - (reference - logp) - 1).sum()
+            gap = {}
+            if first and "engine_logp" in batch:  # with iterations above 1, litft.rollouts compares the sampler's log-probs instead
+                gap = dict(logprob_gap=(batch["engine_logp"].float() - old).abs().double().sum(), gap_tokens=float(len(old)))
             self.pending.append(self.figure_vector(logp.device, loss_tokens=float(len(logp)), clipped_tokens=active.double().sum(),
-                                                   kl=kl.double(), ratio=ratio.double().sum()))
+                                                   kl=kl.double(), ratio=ratio.double().sum(), **gap))
         loss = loss_sum_of(losses, targets["sequence"], sequences, self.args.loss_norm, self.args.max_new_tokens)
         return lm.with_router_aux(loss, aux, self.count(batch))
 
@@ -146,6 +151,8 @@ class GroupRelative(Objective):
             out.update(clip_fraction=value["clipped_tokens"] / value["loss_tokens"], ratio_mean=value["ratio"] / value["loss_tokens"])
             if self.uses_reference:
                 out["kl"] = value["kl"] / value["loss_tokens"]
+        if value["gap_tokens"]:
+            out["sampler_logprob_gap"] = value["logprob_gap"] / value["gap_tokens"]
         return {f"{prefix}{k}": v for k, v in out.items()}
 
     def validation_figures(self, val_loss: float, summed: Optional[torch.Tensor]) -> Dict[str, float]:
@@ -202,4 +209,6 @@ class GroupRelative(Objective):
         return (f"grpo: {a.group_size} completions per prompt (up to {a.max_new_tokens} tokens, temperature {a.temperature}, top_p {a.top_p}); "
                 f"rewards {', '.join(f'{n} x{w:g}' for n, w in zip(self.rewards, self.weights))}; advantages scaled by {a.scale_advantages}; "
                 f"{a.importance} ratio clipped to [{1 - a.epsilon:g}, {1 + high:g}]; {a.loss_norm} loss; {a.iterations} step(s) per batch of rollouts"
-                + (f"; KL {a.effective_beta:g} against the base with the adapter off" if self.uses_reference else ""))
+                + (f"; KL {a.effective_beta:g} against the base with the adapter off" if self.uses_reference else "")
+                + f"; log-probs scored at temperature {a.temperature:g}; "
+                + ("dropout off (--objective.disable_dropout)" if a.disable_dropout else "dropout on in training, off while sampling"))

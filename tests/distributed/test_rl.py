@@ -17,7 +17,7 @@ from tests.conftest import read_metrics, step_losses
 
 COMMON = [
     "--objective", "grpo", "--objective.group_size", "4", "--objective.max_new_tokens", "8", "--objective.rewards", "format",
-    "--objective.format_pattern", ".*[aeiou].*", "--objective.iterations", "2", "--data.num_train", "16", "--data.num_val", "4",
+    "--objective.format_pattern", ".*[aeiou].*", "--objective.iterations", "2", "--objective.temperature", "0.7", "--data.num_train", "16", "--data.num_val", "4",
     "--train.global_batch_size", "4", "--train.max_steps", "4", "--train.learning_rate", "3e-3", "--train.warmup_steps", "1",
     "--eval.interval", "4", "--eval.initial_validation", "false", "--precision", "32-true", "--accelerator", "cpu", "--logger_name", "csv",
 ]
@@ -65,6 +65,8 @@ def test_two_ranks_sample_train_and_validate_as_one_process(case, runs):
         for a, b in zip(expected[name], ours[name]):
             assert {k: a[k] for k in ("prompt", "completion", "rewards", "cut")} == {k: b[k] for k in ("prompt", "completion", "rewards", "cut")}
             assert a["advantage"] == pytest.approx(b["advantage"], abs=1e-9)
+            assert a["completion_ids"] == b["completion_ids"] and a["prompt_ids"] == b["prompt_ids"]
+            assert len(b["logprobs"]) == len(b["completion_ids"]) and b["logprobs"] == pytest.approx(a["logprobs"], rel=2e-5, abs=1e-5)
     rewards = [r["reward"] for rows in expected.values() for r in rows]
     assert 0 < sum(rewards) < len(rewards), "the format reward should split the completions, or the advantages are all 0"
     a, b = step_losses(reference), step_losses(got)
@@ -73,6 +75,10 @@ def test_two_ranks_sample_train_and_validate_as_one_process(case, runs):
     # (step, value) pairs flattened: newer pytest's approx takes no nested sequences
     figures = lambda run: [v for r in read_metrics(run) for k in ("reward_mean", "val_reward", "clip_fraction") if k in r for v in (r["step"], r[k])]  # noqa: E731
     assert figures(got) == pytest.approx(figures(reference), abs=1e-6)
+    # The engine's log-prob of each sampled token against the trainer's at the first forward on it (the sampler's, with 2
+    # iterations): the same policy, in eval mode, at the temperature; the KV cache sums in another order.
+    gaps = [r["sampler_logprob_gap"] for r in read_metrics(got) if "sampler_logprob_gap" in r]
+    assert gaps and all(0 <= gap < 1e-5 for gap in gaps), gaps
 
 
 def test_the_sampler_state_of_a_cycle_is_in_the_checkpoint(runs):

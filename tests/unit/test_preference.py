@@ -162,19 +162,21 @@ def test_objective_matches_an_independent_reference(name, lora, fused, padding_f
         assert abs(logged[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, logged[key], value)
 
 
-def test_target_log_probs_match_full_logits_and_their_gradients():
+@pytest.mark.parametrize("scale", [1.0, 1 / 0.7])
+def test_target_log_probs_match_full_logits_and_their_gradients(scale):
+    """Also with the logits scaled (RL scores at the sampling temperature: one over it)."""
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(50, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (37,))
     upstream = torch.randn(37, dtype=torch.float64)
-    out = TargetLogProbs.apply(hidden, weight, bias, targets, 8)  # chunks of 8 rows
+    out = TargetLogProbs.apply(hidden, weight, bias, targets, 8, scale)  # chunks of 8 rows
     (out.double() * upstream).sum().backward()
     got = [t.grad.clone() for t in (hidden, weight, bias)]
     for t in (hidden, weight, bias):
         t.grad = None
-    want_out = torch.log_softmax(hidden @ weight.T + bias, dim=-1).gather(1, targets[:, None]).squeeze(1)
+    want_out = torch.log_softmax((hidden @ weight.T + bias) * scale, dim=-1).gather(1, targets[:, None]).squeeze(1)
     (want_out * upstream).sum().backward()
     torch.testing.assert_close(out.double(), want_out, rtol=1e-6, atol=1e-6)
     for g, t in zip(got, (hidden, weight, bias)):

@@ -86,7 +86,7 @@ def test_each_variant_gives_the_papers_loss_and_gradients(variant, iterations):
     """On the same rollouts, through the objective's own loss_sum and the loop's division by the batch's count: the loss
     1e-6 and the gradients 1e-5 of the formulas. With iterations 2 the sampler's log-probs differ from the policy's by up
     to 0.5, so the clip is active for some tokens (asserted)."""
-    args = ObjectiveArgs(name="grpo", iterations=iterations, **VARIANTS[variant])
+    args = ObjectiveArgs(name="grpo", iterations=iterations, temperature=0.7, **VARIANTS[variant])
     objective = build_objective(args, lora=True)
     generator = torch.Generator().manual_seed(0)
     lengths = [3, 5, 2, 6]
@@ -104,7 +104,8 @@ def test_each_variant_gives_the_papers_loss_and_gradients(variant, iterations):
         def __init__(self, *values):
             self.values = iter(values)
 
-        def token_log_probs(self, batch):
+        def token_log_probs(self, batch, temperature=1.0):
+            assert temperature == 0.7  # the policy's and the reference's, scored at the sampling temperature
             return next(self.values), None
 
         def with_router_aux(self, loss, aux, weight):
@@ -233,16 +234,22 @@ def test_the_estimate_counts_a_groups_kv_cache_as_generate_holds_it(tiny_dir, ca
 
 
 def test_the_sampler_draws_from_the_softmax_at_the_temperature_with_noise_of_each_rows_own():
-    """Gumbel-max on hashed noise: first tokens of 40,000 rows fall as softmax(logits / T) says (top-p drops the tail), and a
-    row's draws depend on its seed alone, not on the rows beside it."""
-    from litft.engine import GumbelSampler
+    """Inverse CDF on hashed uniforms: first tokens of 40,000 rows fall as softmax(logits / T) says (top-p drops the tail), each
+    drawn token's log-prob is log softmax(logits / T) at it (the whole vocabulary, top-p or not), and a row's draws depend on
+    its seed alone, not on the rows beside it."""
+    from litft.generation import Sampler
 
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
     rows = 40_000
     for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.8)):
-        sampler = GumbelSampler(list(range(rows)), temperature, top_p, "cpu")
-        picked = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.expand(rows, -1)).argmax(-1)
+        sampler = Sampler(list(range(rows)), temperature, top_p, [], "cpu")
+        out = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.expand(rows, -1).clone())
+        picked = out.argmax(-1)
+        assert torch.equal(out.isfinite().sum(-1), torch.ones(rows, dtype=torch.long))  # greedy decoding can take only the draw
         expected = torch.softmax(logits / temperature, -1)
+        torch.testing.assert_close(sampler.logps[0], expected.log()[picked], rtol=0, atol=1e-6)
+        entropy = -(expected * expected.log()).sum()
+        torch.testing.assert_close(sampler.entropy / rows, entropy.double().expand(rows) / rows, rtol=1e-5, atol=0)
         if top_p < 1:  # the smallest set of tokens whose probability reaches top_p: the first two here (0.63 + 0.23)
             expected = torch.where(torch.arange(5) < 2, expected, 0.0)
             expected /= expected.sum()
@@ -250,10 +257,28 @@ def test_the_sampler_draws_from_the_softmax_at_the_temperature_with_noise_of_eac
         torch.testing.assert_close(share, expected.double(), atol=0.01, rtol=0)  # binomial std at most 0.0025
 
     seeds = [11, 2**59 + 5, 77]
-    together = GumbelSampler(seeds, 1.0, 1.0, "cpu")
-    alone = GumbelSampler(seeds[1:2], 1.0, 1.0, "cpu")
-    scores = torch.randn(3, 50)
-    for _ in range(3):  # each token its own noise, the same for a seed wherever its row is
-        both = together(None, scores), alone(None, scores[1:2])
-        torch.testing.assert_close(both[0][1:2], both[1], rtol=0, atol=0)
-    assert not torch.equal(together.noise(50)[0], together.noise(50)[2])
+    together = Sampler(seeds, 1.0, 1.0, [], "cpu")
+    alone = Sampler(seeds[1:2], 1.0, 1.0, [], "cpu")
+    draws = [], []
+    for _ in range(20):  # each token its own uniform, the same for a seed wherever its row is
+        scores = torch.randn(3, 50)
+        draws[0].append(together(torch.zeros(3, 1, dtype=torch.long), scores.clone()).argmax(-1))
+        draws[1].append(alone(torch.zeros(1, 1, dtype=torch.long), scores[1:2].clone()).argmax(-1))
+    assert torch.equal(torch.stack(draws[0])[:, 1:2], torch.stack(draws[1]))
+    assert not torch.equal(torch.stack(draws[0])[:, 0], torch.stack(draws[0])[:, 2])
+    # A token of probability 0 (a -inf logit, or outside top-p) is never drawn, however close the uniform comes to 1.
+    edge = Sampler([5], 1.0, 1.0, [], "cpu")
+    edge.uniform = lambda: torch.tensor([1.0 - 2**-24])
+    assert int(edge(None, torch.tensor([[0.0, 0.0, -math.inf]])).argmax()) == 1
+
+
+def test_dealing_gives_every_rank_as_many_calls_and_each_prompt_once():
+    from litft.generation import deal
+
+    for count, per_call, world in ((10, 4, 2), (3, 4, 2), (16, 4, 4), (0, 2, 2), (7, 1, 3)):
+        runs = [deal(count, per_call, rank, world) for rank in range(world)]
+        assert len({len(r) for r in runs}) == 1
+        dealt = sorted(i for r in runs for run in r for i in run)
+        assert dealt == list(range(count))
+        assert all(len(run) <= per_call for r in runs for run in r)
+    assert deal(10, 4, 0, 2) == [[0, 1, 2, 3], [8, 9]] and deal(10, 4, 1, 2) == [[4, 5, 6, 7], []]
