@@ -23,10 +23,10 @@ from lightning_fabric.utilities.apply_func import move_data_to_device
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from litft import attention  # noqa: E402
+from litft.model import attention  # noqa: E402
 from litft.data.collate import collate  # noqa: E402
 from litft.data.samples import pack  # noqa: E402
-from litft.recurrent import boundary_kernels  # noqa: E402
+from litft.model.recurrent import boundary_kernels  # noqa: E402
 from tests.architectures import ARCHITECTURES, as_litft_builds_it, reference, samples, save_tiny  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def litft_loss(folder: Path, dtype: torch.dtype, device: str):
     attention.RECORD.clear()
     lm = as_litft_builds_it(folder, dtype, device)
     # As the loop lays rows out: packed, or a sample per padded row where layers carry state and no installed kernel takes
-    # per-sample boundaries (litft.recurrent; with mamba-ssm, causal-conv1d or fla installed this checks the real kernels).
+    # per-sample boundaries (litft.model.recurrent; with mamba-ssm, causal-conv1d or fla installed this checks the real kernels).
     lm.keep_samples_apart_in_kernels(bool(boundary_kernels(lm.hf_model.config, torch.device(device).type)))
     rows = collate(samples(), pad_id=0) if lm.whole_rows else collate(pack(samples(), max_length=64), pad_id=0, padding_free=True)
     batch = move_data_to_device(rows, device)  # as the loop's fabric.to_device

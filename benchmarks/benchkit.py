@@ -72,7 +72,7 @@ def model_folder(work: Path, hidden: int, layers: int, max_positions: int = 256)
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from litft.tiny import ensure_tiny_model
+    from litft.model.tiny import ensure_tiny_model
 
     folder = work / f"llama-{hidden}x{layers}"
     if not (folder / "config.json").is_file():

@@ -9,11 +9,11 @@ clipping or logging) with the model as litft builds it, one change at a time:
 - ``hf``: transformers' SDPA attention on rows of one sample each, the plain head and loss;
 - ``segments``: litft's attention (``litft_segments``, torch's varlen flash kernel on CUDA)
   on one padding-free row per micro-batch, as litft's collate lays it out;
-- ``segments+head``: with the head computing the loss on target tokens itself (litft.loss);
+- ``segments+head``: with the head computing the loss on target tokens itself (litft.model.loss);
 - ``segments+liger``: with Liger's RMSNorm, RoPE and SwiGLU instead (CUDA only);
 - ``litft``: with both, as litft trains by default on a GPU.
 
-Each runs eager and with litft's compiled blocks (litft.compiling.compile_blocks).
+Each runs eager and with litft's compiled blocks (litft.model.compiling.compile_blocks).
 The change that takes compile's gain away is the one whose compiled line falls
 behind its eager line. Against a full litft run (``vs_hf_trainer.py``) the
 difference is the loop's: accumulation, clipping, logging.
@@ -95,13 +95,14 @@ def run(args, name: str, compiled: bool) -> dict:
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
-    import litft.attention  # noqa: F401  (registers litft_segments with transformers)
-    from litft.compiling import compile_blocks
+    import litft.model.attention  # noqa: F401  (registers litft_segments with transformers)
+    from litft.model.compiling import compile_blocks
     from litft.config import TrainArgs
-    from litft.kernels import use_liger_kernels
-    from litft.loss import fuse_target_loss
-    from litft.model import CausalLM
-    from litft.weights import transformer_blocks
+    from litft.objectives import next_token
+    from litft.model.kernels import use_liger_kernels
+    from litft.model.loss import fuse_target_loss
+    from litft.model.causal_lm import CausalLM
+    from litft.model.weights import transformer_blocks
 
     attention, liger, fused = VARIANTS[name]
     config = config_of(args)
@@ -116,7 +117,7 @@ def run(args, name: str, compiled: bool) -> dict:
     if compiled:
         torch._dynamo.reset()
         compile_blocks(transformer_blocks(model))
-    lm = CausalLM(model, TrainArgs())
+    lm = CausalLM(model, TrainArgs(), next_token())
     lm.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=args.device == "cuda")
     batch = micro_batch(args, config.vocab_size, padding_free=attention == "litft_segments", device=args.device)

@@ -29,7 +29,7 @@ MEASURED_RUN = """
 import os
 import sys
 from benchkit import PeakGrowth
-import litft.loop as loop
+import litft.run.loop as loop
 step = loop.train_step
 peaks = []
 def measured(trainer, batch):

@@ -42,7 +42,7 @@ def main() -> None:
     if args.measure:
         return measure_convert(*args.measure)
 
-    from litft.tiny import ensure_tiny_model
+    from litft.model.tiny import ensure_tiny_model
 
     work = Path(os.environ.get("CONVERT_BENCH_DIR") or tempfile.mkdtemp(prefix="litft-convert-"))
     work.mkdir(parents=True, exist_ok=True)

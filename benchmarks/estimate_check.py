@@ -30,13 +30,15 @@ import torch
 from activation_probe import measure_step
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from litft.build import build_model
+from litft.run.build import build_model
 from litft.config import DeepSpeedArgs, FSDPArgs, LoraArgs, TrainArgs
+from litft.objectives import next_token
 from litft.estimate import memory_plan
-from litft.logs import quiet_libraries
-from litft.model import CausalLM, load_config
-from litft.tiny import ensure_tiny_model
-from litft.weights import Materializer
+from litft.run.logs import quiet_libraries
+from litft.model.causal_lm import CausalLM
+from litft.model.loading import load_config
+from litft.model.tiny import ensure_tiny_model
+from litft.model.weights import Materializer
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -143,7 +145,7 @@ def real_module(folder: str, job: str, precision: str, checkpointing: bool, quan
     if attention:
         config._attn_implementation = attention
     model = build_model(config, precision, lora, checkpointing, source=folder, device=torch.device("cpu"))
-    lm = CausalLM(model, TrainArgs())
+    lm = CausalLM(model, TrainArgs(), next_token())
     if not quantize:
         Materializer(lm.model, lm.hf_model, None, 0)(lm)
     lm.train()

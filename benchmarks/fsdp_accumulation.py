@@ -41,7 +41,7 @@ import sys
 from contextlib import contextmanager
 from benchkit import PeakGrowth, resident_mb
 from torch.distributed.fsdp import FSDPModule
-import litft.loop as loop
+import litft.run.loop as loop
 from litft.parallel.strategies import fsdp
 # An environment variable, not a flag: Fabric starts the other ranks again from sys.argv, which litft parses.
 if os.environ.get("LIGHTNING_NO_SYNC") == "1":  # what Lightning's no_backward_sync does: no reduction until the last micro-batch

@@ -239,10 +239,8 @@ def stream_rows(argv: List[str], limit: float) -> tuple:
 
 def run_gpu_record(chosen: Optional[List[str]], dry: bool, history: Path, seconds: float = 470.0) -> None:
     """Run the groups in order while the call's ``seconds`` leave room for each, recording each group's figures as it ends."""
-    from record import GOALS as CPU_GOALS
-    from record import record
+    from figures import record
 
-    CPU_GOALS.update(GOALS)
     names = list(GROUPS) if chosen in (None, ["all"]) else chosen
     unknown = set(names) - set(GROUPS)
     if unknown:
@@ -286,7 +284,7 @@ def run_gpu_record(chosen: Optional[List[str]], dry: bool, history: Path, second
         figures.update(got)
         print(f"{name}: {time.monotonic() - started:.0f} s" + (f", {stopped}" if stopped else "")
               + ("" if got else ", nothing recorded"), flush=True)
-        for line in record(got, history):  # each group's figures as soon as they exist: a call cut short keeps them
+        for line in record(got, history, goals=GOALS):  # each group's figures as soon as they exist: a call cut short keeps them
             print(line, flush=True)
     if left_out:
         print(f"left out, past --seconds {seconds:.0f}: {', '.join(left_out)} (run them with --figures {' '.join(left_out)})")

@@ -5,7 +5,7 @@
 
 1. What this machine is (``litft env``'s report).
 2. The precision matrix of the CI (every job x strategy x precision, two steps,
-   litft/selfcheck.py) on CUDA with the real varlen kernel, each case also stopped
+   litft/cli/selfcheck.py) on CUDA with the real varlen kernel, each case also stopped
    half-way, resumed, and its last loss compared with the uninterrupted run's.
 3. Tokens/s, MFU and peak memory of a 1B full finetune (bf16-true), a 1B LoRA
    (bf16-mixed) and a 1B chat SFT (prompts masked, varied lengths, padding-free) on
@@ -33,7 +33,7 @@ def emit(kind: str, **fields) -> None:
 def run_matrix_on_gpu(work: Path, steps: int) -> int:
     import torch
 
-    from litft.selfcheck import matrix, run_matrix
+    from litft.cli.selfcheck import matrix, run_matrix
 
     world = min(2, torch.cuda.device_count())
     cases = matrix(steps=steps, resume=True)
@@ -91,7 +91,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("gpu_suite: no CUDA device here (torch.cuda.is_available() is False); nothing to measure")
         return
-    from litft.envreport import report_lines
+    from litft.cli.envreport import report_lines
 
     emit("env", lines=report_lines())
     args.work_dir.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ def random_weights(name: str, work: Path, layers: Optional[int] = None) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from litft.tiny import ensure_tiny_model
+    from litft.model.tiny import ensure_tiny_model
 
     shipped = ROOT / "config_hub" / "models" / name
     folder = work / f"{Path(name).name}-random{f'-{layers}' if layers else ''}"

@@ -22,17 +22,19 @@ import torch
 from benchkit import PeakGrowth
 
 from litft.config import FSDPArgs, Layout, TrainArgs
-from litft.model import CausalLM, load_config
+from litft.objectives import next_token
+from litft.model.causal_lm import CausalLM
+from litft.model.loading import load_config
 from litft.parallel.strategies import strategy_class
-from litft.weights import Materializer, skeleton
+from litft.model.weights import Materializer, skeleton
 
-from litft import weights
+from litft.model import weights
 
 if hasattr(weights, "checkpoint_in_model_layout"):  # a litft before streamed conversion: the whole model converted once, to disk
     def model_layout_weights(folder, config):
         return weights.CheckpointWeights(weights.checkpoint_in_model_layout(folder, config))
 else:
-    from litft.hub_layout import model_layout_weights
+    from litft.model.hub_layout import model_layout_weights
 
 
 def disk_mb(folder: Path) -> float:
@@ -44,7 +46,7 @@ def load_and_measure(fabric, strategy, folder: str, model_mb: float, group_mb: f
     started = time.perf_counter()
     with PeakGrowth() as peak:
         config = load_config(folder)
-        lm = CausalLM(skeleton(config, torch.bfloat16), TrainArgs())
+        lm = CausalLM(skeleton(config, torch.bfloat16), TrainArgs(), next_token())
         strategy.setup(fabric, lm, Materializer(lm.model, lm.hf_model, model_layout_weights(Path(folder), config), seed=0), on_device=False)
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in lm.parameters()) / 2**20
     fabric.barrier()

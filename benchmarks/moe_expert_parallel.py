@@ -39,7 +39,7 @@ def model_folder(work: Path, accelerator: str, layers: int) -> Path:
     """A random Qwen3-MoE of the mode's shape (config only: pretrain initializes it) with litft-tiny's tokenizer."""
     from transformers import AutoTokenizer, Qwen3MoeConfig
 
-    from litft.tiny import ensure_tiny_model
+    from litft.model.tiny import ensure_tiny_model
 
     folder = work / f"qwen3-moe-{accelerator}-{layers}"
     if accelerator == "cuda":

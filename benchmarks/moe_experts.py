@@ -7,7 +7,7 @@ backward on the same tokens with the experts computed by the per-expert loop
 (``eager``), by gathering each token's expert weights (``batched_mm``) and by one
 grouped matmul over tokens sorted by expert (``grouped_mm``); one JSON line each
 with tokens/s, peak memory and the loss and gradient difference from the loop.
-litft trains with the implementation ``litft.experts.choose`` picks.
+litft trains with the implementation ``litft.model.experts.choose`` picks.
 """
 
 import argparse
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from litft.experts import choose, grouped_kernel  # noqa: E402
+from litft.model.experts import choose, grouped_kernel  # noqa: E402
 
 
 def build(device: str, dtype: torch.dtype):

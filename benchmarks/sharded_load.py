@@ -19,14 +19,16 @@ from benchkit import PeakGrowth, llama_shape, shape_parser
 from transformers import LlamaForCausalLM
 
 from litft.config import FSDPArgs, Layout, TrainArgs
-from litft.model import CausalLM, load_config
+from litft.objectives import next_token
+from litft.model.causal_lm import CausalLM
+from litft.model.loading import load_config
 from litft.parallel.strategies import strategy_class
-from litft.weights import CheckpointWeights, Materializer, skeleton
+from litft.model.weights import CheckpointWeights, Materializer, skeleton
 
 
 def load_and_measure(fabric, strategy, folder: str, model_mb: float, block_mb: float) -> None:
     with PeakGrowth() as peak:
-        lm = CausalLM(skeleton(load_config(folder), torch.float32), TrainArgs())
+        lm = CausalLM(skeleton(load_config(folder), torch.float32), TrainArgs(), next_token())
         strategy.setup(fabric, lm, Materializer(lm.model, lm.hf_model, CheckpointWeights(Path(folder)), seed=0), on_device=False)
     grew = peak.mb
     held = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in lm.parameters()) * 4 / 2**20

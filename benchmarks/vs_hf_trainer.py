@@ -218,8 +218,8 @@ LITFT_BOOT = """
 import runpy, sys
 change = {change!r}
 if change == "plain-loss":
-    import litft.build
-    litft.build.fuse_target_loss = lambda model: False
+    import litft.run.build
+    litft.run.build.fuse_target_loss = lambda model: False
 runpy.run_module("litft", run_name="__main__", alter_sys=True)
 """
 
@@ -289,7 +289,7 @@ def trainer_side(args, load: Workload, model_path: Path, work: Path, best: bool)
         AutoModelForCausalLM, DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments,
     )
 
-    from litft.model import load_tokenizer
+    from litft.model.loading import load_tokenizer
 
     torch.set_num_threads(args.threads)
     cuda = args.accelerator == "cuda"

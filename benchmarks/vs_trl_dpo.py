@@ -120,7 +120,7 @@ def trl_side(args, model_path: Path, work: Path, padding_free: bool) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from litft.model import load_tokenizer
+    from litft.model.loading import load_tokenizer
 
     torch.set_num_threads(args.threads)
     cuda = args.accelerator == "cuda"

@@ -90,7 +90,7 @@ def trl_side(args, model_path: Path, work: Path) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from litft.model import load_tokenizer
+    from litft.model.loading import load_tokenizer
     from smollm2_grpo import word_order
 
     torch.set_num_threads(args.threads)

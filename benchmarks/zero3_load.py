@@ -27,7 +27,7 @@ import torch
 from benchkit import PeakGrowth, llama_shape, resident_mb, shape_parser
 from transformers import LlamaForCausalLM
 
-from litft.build import build_module
+from litft.run.build import build_module
 from litft.config import DeepSpeedArgs, Layout, LoraArgs, TrainArgs
 from litft.parallel.strategies import DeepSpeed
 

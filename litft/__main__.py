@@ -16,17 +16,17 @@ from typing import List, Optional
 from jsonargparse import CLI, ArgumentParser, set_parsing_settings  # noqa: E402
 
 import litft.data  # noqa: E402,F401  (registers the --data choices)
-from litft.chat import chat, generate  # noqa: E402
-from litft.cli_help import short_help  # noqa: E402
+from litft.cli.chat import chat, generate  # noqa: E402
+from litft.cli.help import short_help  # noqa: E402
 from litft.checkpoint.convert import convert, merge_lora  # noqa: E402
-from litft.download import download  # noqa: E402
-from litft.envreport import env  # noqa: E402
+from litft.cli.download import download  # noqa: E402
+from litft.cli.envreport import env  # noqa: E402
 from litft.errors import LitftError  # noqa: E402
 from litft.estimate import estimate  # noqa: E402
-from litft.jobs import DEFAULT_DATA_FLAGS, JOBS, PREFERENCE_DATA_FLAGS  # noqa: E402
-from litft.launchers import without_local_rank_argument  # noqa: E402
-from litft.logs import quiet_libraries  # noqa: E402
-from litft.ray_worker import die_with_parent, inside_worker  # noqa: E402
+from litft.cli.jobs import DEFAULT_DATA_FLAGS, JOBS, PREFERENCE_DATA_FLAGS  # noqa: E402
+from litft.launch.launchers import without_local_rank_argument  # noqa: E402
+from litft.run.logs import quiet_libraries  # noqa: E402
+from litft.launch.ray_worker import die_with_parent, inside_worker  # noqa: E402
 
 
 def parser_jobs() -> dict:

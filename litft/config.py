@@ -11,7 +11,6 @@ from typing import List, Literal, Optional, Tuple, Union
 
 from litft.errors import LitftError
 from litft.flag_checks import at_least, fraction, positive
-from litft.objective_args import DEFAULT_BETA, OBJECTIVES, ObjectiveArgs  # noqa: F401 (one of the run's flag groups)
 
 Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
 Accelerator = Literal["auto", "cpu", "cuda", "gpu"]
@@ -62,7 +61,7 @@ class TrainArgs:
     keep_checkpoints: int = 2
     """Finished checkpoints kept in out_dir/checkpoints; older ones are deleted once a newer one is complete."""
     peak_tflops: Optional[float] = None
-    """Dense peak TFLOP/s of one device at the run's precision, for MFU (default: litft/flops.py's table for known GPUs; none for the CPU)."""
+    """Dense peak TFLOP/s of one device at the run's precision, for MFU (default: litft/model/flops.py's table for known GPUs; none for the CPU)."""
     record_sample_ids: bool = False
     """Each rank writes the indices of the samples it trained on, per step, to out_dir/logs/samples/rank-N.jsonl (to audit data order across resumes)."""
 

@@ -1,4 +1,4 @@
-"""One-line checks of a flag's value, shared by every flag group (litft.config, litft.objective_args, the data modules)."""
+"""One-line checks of a flag's value, shared by every flag group (litft.config, litft.objectives.args, the data modules)."""
 
 import math
 from typing import Optional

@@ -69,7 +69,7 @@ ARCHITECTURES = [
     Architecture("gpt-neox", "GPTNeoXConfig", dict(num_key_value_heads=None, use_parallel_residual=True)),
     Architecture("llama4 (chunked)", "Llama4TextConfig", dict(head_dim=8, attention_chunk_size=WINDOW, intermediate_size_mlp=64,
                                                              num_local_experts=1), "chunked attention", refused="chunked_attention layers"),
-    # Layers that carry state from token to token (litft.recurrent): trained on padded rows, one sample per row.
+    # Layers that carry state from token to token (litft.model.recurrent): trained on padded rows, one sample per row.
     Architecture("mamba", "MambaConfig", dict(state_size=8, num_attention_heads=None, num_key_value_heads=None, intermediate_size=None, max_position_embeddings=None), "state space"),
     Architecture("mamba2", "Mamba2Config", dict(state_size=8, num_heads=4, head_dim=16, n_groups=1, chunk_size=8, num_attention_heads=None, num_key_value_heads=None, intermediate_size=None, max_position_embeddings=None), "state space (SSD)"),
     Architecture("falcon-mamba", "FalconMambaConfig", dict(state_size=8, num_attention_heads=None, num_key_value_heads=None, intermediate_size=None, max_position_embeddings=None), "state space"),
@@ -130,8 +130,8 @@ def save_tiny(architecture: Architecture, folder: Path, seed: int = 0) -> Path:
     """The architecture's tiny model, random at its initializer range, saved as save_pretrained saves it (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from litft.model import load_tokenizer
-    from litft.tiny import ensure_tiny_model
+    from litft.model.loading import load_tokenizer
+    from litft.model.tiny import ensure_tiny_model
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(architecture.build(), dtype=torch.float32)
@@ -154,7 +154,7 @@ def samples():
 
 def reference(folder, dtype=torch.float32, device="cpu"):
     """transformers' own loss (summed over target tokens) and gradients: eager attention and the per-expert loop, each sample
-    alone (litft trains with grouped experts: litft.experts)."""
+    alone (litft trains with grouped experts: litft.model.experts)."""
     from transformers import AutoModelForCausalLM
 
     eager = {"attn_implementation": "eager"}
@@ -175,13 +175,15 @@ def reference(folder, dtype=torch.float32, device="cpu"):
 def as_litft_builds_it(folder, dtype=torch.float32, device="cpu"):
     """The model as the jobs build it: meta skeleton, litft's fill block by block (as FSDP fills), litft_segments attention,
     grouped experts, the fused head where it is exact."""
-    from litft.attention import SEGMENTS
+    from litft.model.attention import SEGMENTS
     from litft.config import TrainArgs
-    from litft.experts import use_grouped_experts
-    from litft.loss import fuse_target_loss
-    from litft.model import CausalLM, check_architecture, load_config
-    from litft.hub_layout import model_layout_weights
-    from litft.weights import Materializer, skeleton, transformer_blocks
+    from litft.objectives import next_token
+    from litft.model.experts import use_grouped_experts
+    from litft.model.loss import fuse_target_loss
+    from litft.model.causal_lm import CausalLM
+    from litft.model.loading import check_architecture, load_config
+    from litft.model.hub_layout import model_layout_weights
+    from litft.model.weights import Materializer, skeleton, transformer_blocks
 
     config = load_config(str(folder))
     check_architecture(config)
@@ -193,7 +195,7 @@ def as_litft_builds_it(folder, dtype=torch.float32, device="cpu"):
         fill(block)
     fill(model)
     fuse_target_loss(model)
-    return CausalLM(model.to(device), TrainArgs()).train()
+    return CausalLM(model.to(device), TrainArgs(), next_token()).train()
 
 
 def attention_path(architecture: Architecture) -> str:
@@ -209,10 +211,10 @@ def attention_path(architecture: Architecture) -> str:
 def table() -> str:
     """docs/models.md's table of architectures: what the conformance test checks, and what each runs under CP and TP."""
     from litft.errors import LitftError
-    from litft.model import check_architecture
+    from litft.model.loading import check_architecture
     from litft.parallel.context import check_context_parallel
     from litft.parallel.tensor import check_tensor_parallel
-    from litft.recurrent import BOUNDARY_KERNELS, KERNEL_PACKAGES, carries_state
+    from litft.model.recurrent import BOUNDARY_KERNELS, KERNEL_PACKAGES, carries_state
 
     def verdict(check, config) -> str:
         try:

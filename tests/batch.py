@@ -114,7 +114,7 @@ class Batch:
 def worker(plan_path: str, rank: str) -> None:
     """Every command of the plan in turn, each on a fresh rendezvous port; rank 0 records how each ended."""
     from litft.__main__ import main
-    from litft.selfcheck import case_port
+    from litft.cli.selfcheck import case_port
 
     plan = json.loads(Path(plan_path).read_text())
     root = Path(plan["root"])

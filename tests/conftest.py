@@ -26,14 +26,14 @@ def litft_home(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_dir(litft_home):
-    from litft.tiny import ensure_tiny_model
+    from litft.model.tiny import ensure_tiny_model
 
     return ensure_tiny_model()
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_dir):
-    from litft.model import load_tokenizer
+    from litft.model.loading import load_tokenizer
 
     return load_tokenizer(str(tiny_dir))
 

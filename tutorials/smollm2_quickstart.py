@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a clone: this checkout's litft
 
-from litft.download import smollm2_folder  # noqa: E402
+from litft.cli.download import smollm2_folder  # noqa: E402
 
 CONFIG = ROOT / "config_hub" / "finetune" / "smollm2-135m" / "lora.yaml"
 HELD_OUT = ROOT / "tutorials" / "reverse-words" / "val.jsonl"

@@ -24,10 +24,10 @@ from safetensors.torch import save_file
 from litft.checkpoint.format import RUN_CONFIG, CheckpointMeta, TrainedTensors, dcp_trained_tensors, resolve_resume
 from litft.errors import LitftError
 from litft.config import LoraArgs
-from litft.lora import expert_lora_config
-from litft.model import load_config, load_tokenizer, resolve_model
-from litft.hub_layout import model_layout_weights
-from litft.weights import locate_checkpoint, skeleton, transformer_blocks
+from litft.model.lora import expert_lora_config
+from litft.model.loading import load_config, load_tokenizer, resolve_model
+from litft.model.hub_layout import model_layout_weights
+from litft.model.weights import locate_checkpoint, skeleton, transformer_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -281,7 +281,7 @@ def _block_tensors(names: List[str], trained: TrainedTensors, base, prefix: str,
 
 def _write_adapter(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict, staging: Path, dtype: Optional[str]) -> None:
     """The LoRA adapter alone, as the peft folder that ``PeftModel.from_pretrained`` reads."""
-    from peft import LoraConfig  # here, not at the top: litft.lora says why
+    from peft import LoraConfig  # here, not at the top: litft.model.lora says why
 
     tensors = trained.read([n for n in trained.shapes if ADAPTER_KEY.search(n)])
     out_dtype = DTYPES[dtype] if dtype else None

@@ -11,7 +11,7 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
 
     Every batch carries position ids and no attention mask. A padding-free row's
     positions restart at every sample and its attention keeps the samples apart
-    (``litft.attention``); a sample's first token is not trained on the sample before
+    (``litft.model.attention``); a sample's first token is not trained on the sample before
     it. Padding carries no loss, and its positions count on from the row's last
     sample: a reset would read as a packed row and cost a dense S x S mask. Beside the
     tokens: where each sample starts (varlen), and the flat positions of the tokens
@@ -26,7 +26,7 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
         labels = torch.cat(labels)[None]
         position_ids = torch.cat([positions_of(s) for s in samples])[None]
     else:
-        # A preference pair's chosen and rejected answers get a row each, so no layer that carries state (litft.recurrent)
+        # A preference pair's chosen and rejected answers get a row each, so no layer that carries state (litft.model.recurrent)
         # reads one into the other and attention needs no block-diagonal mask; a packed row stays one row.
         pieces = [piece for s in samples for piece in (sequences_of(s) if "rejected_start" in s else [whole(s)])]
         width = max(len(ids) for ids, _, _ in pieces)
@@ -46,7 +46,7 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
         "targets": targets_of(labels),
     }
     if not padding_free:
-        batch["real"] = real  # the tokens that are not padding, for counts that must not see it (litft.experts)
+        batch["real"] = real  # the tokens that are not padding, for counts that must not see it (litft.model.experts)
     if "rejected_start" in samples[0]:  # preference pairs (litft.data.preference): two sequences each, chosen then rejected
         batch["pairs"] = len(samples)  # what the loss is a mean over; under context parallel, counted by one rank of the group
         batch["targets"]["sequence"] = sequence_of(batch["targets"]["index"], position_ids)

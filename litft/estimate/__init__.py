@@ -15,7 +15,7 @@ from typing import Literal, Optional
 
 from litft.config import TrainArgs
 from litft.estimate.plan import plan_memory, render
-from litft.flags import (
+from litft.cli.flags import (
     CONTEXT_PARALLEL, DEEPSPEED, DEVICES, FSDP, JOB, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, MODEL, NUM_NODES, OBJECTIVE, PRECISION, QUANTIZE,
     EXPERT_PARALLEL, STRATEGY, TENSOR_PARALLEL, TRAIN, Flag, command, required,
 )

@@ -3,8 +3,8 @@
 import math
 from typing import Dict, List, Optional
 
-from litft.memory import Param
-from litft.weights import transformer_blocks
+from litft.estimate.memory import Param
+from litft.model.weights import transformer_blocks
 
 BNB_BLOCKSIZE = 64  # bitsandbytes' 4-bit block: one absmax per 64 weights
 BNB_NESTED_BLOCKSIZE = 256  # double quantization: one fp32 scale per 256 absmax bytes

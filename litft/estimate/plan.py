@@ -4,18 +4,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Tuple
 
-from litft.build import build_model
-from litft.config import Layout, LoraArgs, ObjectiveArgs, TrainArgs
+from litft.run.build import build_model
+from litft.config import Layout, LoraArgs, TrainArgs
+from litft.objectives.args import ObjectiveArgs
 from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.estimate.inventory import model_tensors
 from litft.estimate.states import memory_layout
 from litft.estimate.trace import trace_activations
-from litft.flops import expert_count, experts_per_token, flops_per_token
-from litft.recurrent import carries_state
-from litft.logs import quiet_libraries
-from litft.memory import GiB, Row
-from litft.model import check_architecture, load_config, resolve_model
+from litft.model.flops import expert_count, experts_per_token, flops_per_token
+from litft.model.recurrent import carries_state
+from litft.run.logs import quiet_libraries
+from litft.estimate.memory import GiB, Row
+from litft.model.loading import check_architecture, load_config, resolve_model
 from litft.objectives import build_objective
 from litft.parallel.mesh import layout_data_world
 from litft.parallel.context import check_context_parallel
@@ -90,7 +91,7 @@ def experts_facts(config, tensors, size: int, tokens: int, itemsize: int, seq_le
         "per_layer": router, "per_rank": router // size, "top_k": top_k,
         # Sent and received: every (token, expert) row of the layer leaves and arrives (balanced routing), then returns.
         "dispatch_bytes": 2 * tokens * top_k * text.hidden_size * itemsize,
-        # Layers that carry state have no FLOPs count yet (litft.flops): no figure rather than attention's in every layer.
+        # Layers that carry state have no FLOPs count yet (litft.model.flops): no figure rather than attention's in every layer.
         "flops_per_token": None if carries_state(config) else flops_per_token(config, seq_len),
         "active_parameters": int(every - experts * (1 - top_k / router)),
     }

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype, element_size
-from litft.memory import Param, Row, States
+from litft.estimate.memory import Param, Row, States
 from litft.parallel.expert import local_share
 from litft.parallel.tensor import split_over_tensor_parallel
 

@@ -22,9 +22,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from litft.build import build_model
+from litft.run.build import build_model
 from litft.config import TrainArgs
-from litft.model import CausalLM
+from litft.model.causal_lm import CausalLM
+from litft.objectives import build_objective
+from litft.objectives.args import ObjectiveArgs
 
 
 class _Ledger(TorchDispatchMode):
@@ -192,7 +194,7 @@ def trace_step(config, layers: int, build: dict, params_dtype, autocast, micro_b
 def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int, objective=None) -> Trace:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fake_model(model, fake_mode, params_dtype)
-    lm = CausalLM(model, TrainArgs(), objective=objective)
+    lm = CausalLM(model, TrainArgs(), build_objective(objective or ObjectiveArgs(), lora=hasattr(model, "disable_adapter")))
     lm.train()
     tensors = list(lm.parameters()) + list(lm.buffers())
     gc.collect()

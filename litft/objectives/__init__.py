@@ -2,13 +2,13 @@
 
     supervised   sft: next-token cross-entropy on the target tokens (pretraining, SFT)
     preference   dpo, ipo, simpo, orpo: a loss on each pair's chosen and rejected log-probs
-    rl           grpo (and DAPO, Dr. GRPO, GSPO as its flags): the clipped policy gradient on sampled, rewarded completions
+    grpo         grpo (and DAPO, Dr. GRPO, GSPO as its flags): the clipped policy gradient on sampled, rewarded completions
 """
 
-from litft.config import ObjectiveArgs
+from litft.objectives.args import ObjectiveArgs
 from litft.objectives.base import Objective
 from litft.objectives.preference import Preference
-from litft.objectives.rl import GroupRelative
+from litft.objectives.grpo import GroupRelative
 from litft.objectives.supervised import Supervised
 
 FAMILIES = {"sft": Supervised, "dpo": Preference, "ipo": Preference, "simpo": Preference, "orpo": Preference, "grpo": GroupRelative}
@@ -19,4 +19,9 @@ def build_objective(args: ObjectiveArgs, lora: bool) -> Objective:
     return FAMILIES[args.name](args, lora)
 
 
-__all__ = ["Objective", "Supervised", "Preference", "GroupRelative", "build_objective", "FAMILIES"]
+def next_token(lora: bool = False) -> Objective:
+    """The next-token loss on target tokens (sft), for a module composed outside a run (tests, benchmarks)."""
+    return build_objective(ObjectiveArgs(), lora)
+
+
+__all__ = ["Objective", "Supervised", "Preference", "GroupRelative", "build_objective", "next_token", "FAMILIES"]

@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from litft.config import ObjectiveArgs
+from litft.objectives.args import ObjectiveArgs
 from litft.errors import LitftError
 
 
@@ -31,7 +31,7 @@ class Objective:
     progress: Tuple[Tuple[str, str, str], ...] = ()  # (label, figure, format) the progress line shows beside the loss
     reference_forwards = 0  # no-grad forwards of the model per micro-batch beside the step's own (for FLOPs)
     rows_per_sample = 1  # sequences a sample holds (a preference pair: 2), for the estimate's trace
-    generates = False  # whether its batches are sampled by the model as it trains (litft.rollouts)
+    generates = False  # whether its batches are sampled by the model as it trains (litft.rl.rollouts)
     steps_per_batch = 1  # optimizer steps on one global batch of the data (RL's iterations on a batch of rollouts)
 
     def __init__(self, args: ObjectiveArgs, lora: bool):

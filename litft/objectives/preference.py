@@ -26,10 +26,10 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from litft.config import ObjectiveArgs
+from litft.objectives.args import ObjectiveArgs
 from litft.errors import LitftError
 from litft.objectives.base import Objective, sums_per_sequence
-from litft.parallel.context import MARK, group_sum
+from litft.parallel.context import MARK
 
 # Per-step sums kept on the device and reduced at log steps: the pairs, then each figure summed over them.
 STATS = ("pairs", "reward_chosen", "reward_rejected", "preference_accuracy", "logp_chosen", "logp_rejected")
@@ -133,7 +133,7 @@ def sequence_log_probs(lm, batch: dict) -> Tuple[torch.Tensor, torch.Tensor, Opt
     sums, counts = sequence_sums(token_logps, batch["targets"]["sequence"], pairs)
     group = (batch.get("varlen") or {}).get(MARK)
     if group is not None:  # each rank of a context group holds a slice of every sequence
-        sums, counts = group_sum(sums, group), group_sum(counts.detach(), group)
+        sums, counts = group.sum(sums), group.sum(counts.detach())
     return sums, counts, aux
 
 
@@ -189,7 +189,7 @@ class Preference(Objective):
         counted = self.counted(batch)  # under context parallel one rank of each group counts the loss and its figures
         loss, figures = preference_loss(self.args, policy, lengths, reference, counted)
         self.pending.append(figures)
-        # The zero keeps this rank's slice in the graph: group_sum's backward gives it the gradient. MoE: the router's balance of
+        # The zero keeps this rank's slice in the graph: the group sum's backward gives it the gradient. MoE: the router's balance of
         # this rank's tokens, weighted by the pairs as the loss is; under context parallel every slice adds its share, as a
         # supervised run's slices do, so that the group weighs it by the pairs once.
         share = len(policy) / batch.get("slices", 1) if batch.get("counted", True) else 0

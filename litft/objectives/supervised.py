@@ -8,7 +8,7 @@ from litft.objectives.base import Objective
 
 
 class Supervised(Objective):
-    """Next-token cross-entropy on target tokens, by the fused head where it can (litft.loss), over the tokens of the batch."""
+    """Next-token cross-entropy on target tokens, by the fused head where it can (litft.model.loss), over the tokens of the batch."""
 
     def loss_sum(self, lm, batch: dict) -> torch.Tensor:
         targets = batch.get("targets") or targets_of(batch["labels"])

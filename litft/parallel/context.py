@@ -26,9 +26,11 @@ from litft.data.collate import cumulative_lengths
 
 from litft.data.samples import IGNORE_INDEX
 from litft.errors import LitftError
-from litft.recurrent import refuse_split
+from litft.model.attention import CONTEXT_KEY
+from litft.model.recurrent import refuse_split
 
-MARK = "litft_context"  # the varlen key that carries the context group to attention (generation's batches have none)
+# The varlen key under which a sliced batch hands attention and the objectives its ContextGroup (generation's batches have none).
+MARK = CONTEXT_KEY
 
 
 def check_context_parallel(config, size: int) -> None:
@@ -43,7 +45,7 @@ def check_context_parallel(config, size: int) -> None:
             f"choose a divisor of {heads}"
         )
     if size > 1:
-        from litft.weights import per_head_tensors, skeleton
+        from litft.model.weights import per_head_tensors, skeleton
 
         per_head = per_head_tensors(skeleton(config, torch.float32))
         if per_head:
@@ -74,7 +76,7 @@ def slice_batch(batch: dict, place: int, size: int, group=None) -> dict:
         **batch,
         "input_ids": input_ids[:, mine_only].contiguous(), "position_ids": position_ids[:, mine_only].contiguous(),
         "labels": labels[:, mine_only].contiguous(),
-        "varlen": {**cumulative_lengths(position_ids), MARK: group if group is not None else size},
+        "varlen": {**cumulative_lengths(position_ids), MARK: ContextGroup(group, size)},
         "targets": {
             **{key: value[mine] for key, value in targets.items()},  # the labels, and each target's sequence for preference pairs
             "index": row[mine] * part + column[mine] - start,
@@ -84,9 +86,37 @@ def slice_batch(batch: dict, place: int, size: int, group=None) -> dict:
     }
 
 
-def group_sum(tensor: torch.Tensor, group) -> torch.Tensor:
-    """The sum of ``tensor`` over this rank's context group, with its gradient: per-sequence sums of slices become whole."""
-    return _GroupSum.apply(tensor, group)
+class ContextGroup:
+    """What a sliced batch carries to attention and to the objectives (under ``MARK``): the context group and the exchanges
+    over it, so that neither of them needs this module (attention calls ``attend_whole_rows``, preference pairs ``sum``)."""
+
+    def __init__(self, group, size: int):
+        self.group, self.size = group, size
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ContextGroup) and (other.group, other.size) == (self.group, self.size)
+
+    def live_group(self):
+        if not isinstance(self.group, dist.ProcessGroup):
+            raise LitftError("a context-parallel batch reached attention without its context group (litft.parallel.mesh builds it)")
+        return self.group
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of ``tensor`` over the group, with its gradient: per-sequence sums of slices become whole."""
+        return _GroupSum.apply(tensor, self.live_group())
+
+    def attend_whole_rows(self, attend: Callable, query, key, value, **kwargs):
+        """``attend`` (q (B, H, S, D), k and v (B, KV, S, D) -> (B, S, H, D)) on whole rows from this rank's slice of them."""
+        group = self.live_group()
+        size = dist.get_world_size(group)
+        # K/V heads the group cannot share evenly are copied (each in place, so query head chunk j still meets its K/V in
+        # chunk j), as few times as makes them divide: N / gcd(KV, N), which divides H / KV since N divides H.
+        copies = size // math.gcd(key.shape[1], size)
+        if copies > 1:
+            key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
+        query, key, value = (_SwapHeadsAndTokens.apply(t, 1, 2, group) for t in (query, key, value))  # (B, heads / N, whole rows, D)
+        out = attend(query, key, value, **kwargs)  # (B, whole rows, heads / N, D)
+        return _SwapHeadsAndTokens.apply(out, 1, 2, group)  # (B, this slice, heads, D)
 
 
 class _GroupSum(torch.autograd.Function):
@@ -127,19 +157,3 @@ class _SwapHeadsAndTokens(torch.autograd.Function):
     def backward(ctx, grad):
         scatter, gather = ctx.dims
         return _swap_heads_and_tokens(grad.contiguous(), gather, scatter, ctx.group), None, None, None
-
-
-def attend_whole_rows(attend: Callable, query, key, value, **kwargs):
-    """``attend`` (q (B, H, S, D), k and v (B, KV, S, D) -> (B, S, H, D)) on whole rows from this rank's slice of them."""
-    group = kwargs.get(MARK)
-    if not isinstance(group, dist.ProcessGroup):
-        raise LitftError("a context-parallel batch reached attention without its context group (litft.parallel.mesh builds it)")
-    size = dist.get_world_size(group)
-    # K/V heads the group cannot share evenly are copied (each in place, so query head chunk j still meets its K/V in
-    # chunk j), as few times as makes them divide: N / gcd(KV, N), which divides H / KV since N divides H.
-    copies = size // math.gcd(key.shape[1], size)
-    if copies > 1:
-        key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
-    query, key, value = (_SwapHeadsAndTokens.apply(t, 1, 2, group) for t in (query, key, value))  # (B, heads / N, whole rows, D)
-    out = attend(query, key, value, **kwargs)  # (B, whole rows, heads / N, D)
-    return _SwapHeadsAndTokens.apply(out, 1, 2, group)  # (B, this slice, heads, D)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from litft.errors import LitftError
-from litft.experts import ADAPTERS, PROJECTIONS, DEALT, count_per_expert, expert_count, experts_modules, is_experts
+from litft.model.experts import ADAPTERS, PROJECTIONS, DEALT, count_per_expert, expert_count, experts_modules, is_experts
 
 BIASES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
@@ -44,7 +44,7 @@ def check_expert_parallel(config, size: int) -> None:
     """One line when the model's experts cannot be dealt out over ``size`` ranks."""
     if size == 1:
         return
-    from litft.weights import skeleton
+    from litft.model.weights import skeleton
 
     experts = experts_modules(skeleton(config, torch.float32))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from litft.errors import LitftError
-from litft.recurrent import refuse_split
+from litft.model.recurrent import refuse_split
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output feature
 ROW = ("o_proj", "down_proj")  # split by input feature, then all-reduced
@@ -66,7 +66,7 @@ def check_tensor_parallel(config, size: int, quantize: Optional[str] = None) -> 
             raise LitftError(f"--tensor_parallel needs a model with {what} in its config ({type(text).__name__} has none); drop --tensor_parallel")
         if count % size:
             raise LitftError(f"--tensor_parallel {size} must divide the model's {count} {what}; choose a divisor of {count}")
-    from litft.weights import per_head_tensors, skeleton, transformer_blocks
+    from litft.model.weights import per_head_tensors, skeleton, transformer_blocks
 
     model = skeleton(config, torch.float32)
     block = transformer_blocks(model)[0]

@@ -14,7 +14,7 @@ WINDOW = 4  # a sliding window shorter than the second sample (Mistral, Gemma): 
 
 
 def whole_rows_and_slices(rank: int, store_path: str) -> None:
-    from litft.attention import _attend_in_samples, segments_attention
+    from litft.model.attention import _attend_in_samples, segments_attention
     from litft.data.collate import cumulative_lengths
     from litft.parallel import context as context_parallel
     from litft.parallel.mesh import Mesh
@@ -36,7 +36,7 @@ def whole_rows_and_slices(rank: int, store_path: str) -> None:
         part = width // size
         mine = slice(split.place * part, (split.place + 1) * part)
         sliced = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-        got = segments_attention(module, *sliced, None, **varlen, sliding_window=window, **{context_parallel.MARK: split.group})[0]
+        got = segments_attention(module, *sliced, None, **varlen, sliding_window=window, **{context_parallel.MARK: context_parallel.ContextGroup(split.group, size)})[0]
         (got * weight[:, mine]).sum().backward()
         torch.testing.assert_close(got, expected[:, mine], rtol=1e-5, atol=1e-6, msg=f"output, group of {size}, window {window}")
         for name, ours, reference in zip("qkv", sliced, whole):

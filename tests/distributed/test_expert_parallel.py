@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from litft.selfcheck import free_port
+from litft.cli.selfcheck import free_port
 from tests.architectures import ARCHITECTURES, save_tiny
 from tests.conftest import ROOT, read_metrics, run_cli, step_losses
 

@@ -3,7 +3,7 @@
 The varlen flash kernel is replaced by a stand-in with torch 2.11's signature (no
 enable_gqa, fp16/bf16 only: tests/varlen_standins.py), so the branch a GPU takes
 runs here; each case checks the dtype attention computes in and receives, and the
-dtype of the trained tensors its checkpoint stores (litft/selfcheck.py).
+dtype of the trained tensors its checkpoint stores (litft/cli/selfcheck.py).
 """
 
 import time
@@ -13,7 +13,7 @@ import pytest
 from litft.config import DeepSpeedArgs, FSDPArgs, Layout
 from litft.errors import LitftError
 from litft.parallel.strategies import checked_strategy_class
-from litft.selfcheck import Case, matrix, run_case, run_matrix, summary_line
+from litft.cli.selfcheck import Case, matrix, run_case, run_matrix, summary_line
 from tests.conftest import ROOT
 
 STANDIN = {"LITFT_VARLEN_KERNEL": "tests.varlen_standins:varlen_attn_2_11", "PYTHONPATH": str(ROOT)}

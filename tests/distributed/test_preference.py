@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.batch import Batch
-from litft.launchers import free_port
+from litft.launch.launchers import free_port
 from tests.conftest import ROOT, read_metrics, step_losses
 
 COMMON = [

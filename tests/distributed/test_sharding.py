@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from litft.parallel.tensor import split_over_tensor_parallel
 from tests.batch import Batch
-from litft.launchers import free_port
+from litft.launch.launchers import free_port
 from tests.conftest import ROOT, final_value, read_metrics, run_recording_zero3_partitions, step_losses
 
 COMMON = [

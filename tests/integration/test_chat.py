@@ -8,11 +8,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from litft.__main__ import main
-from litft.chat import one_line
+from litft.cli.chat import one_line
 from litft.config import EvalArgs, TrainArgs
 from litft.data import TinyTasks
 from litft.data.sft import alpaca_prompt
-from litft.jobs import finetune_lora
+from litft.cli.jobs import finetune_lora
 
 PROMPTS = ["Reverse the letters: a b c", "Sort the letters: d a c", "Add the numbers: 3 + 4"]
 GREEDY = ["--prompt_style", "alpaca", "--temperature", "0", "--max_new_tokens", "8"]

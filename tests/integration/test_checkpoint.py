@@ -14,7 +14,7 @@ import torch
 from litft.config import EvalArgs, TrainArgs
 from litft.data import TextFiles, TinyTasks
 from litft.errors import LitftError
-from litft.jobs import finetune_full, finetune_lora, pretrain
+from litft.cli.jobs import finetune_full, finetune_lora, pretrain
 from tests.conftest import ROOT, read_metrics, run_cli
 
 DATA = dict(num_train=64, num_val=8)
@@ -248,7 +248,7 @@ def test_lora_export_checks_the_disk_and_writes_the_adapter_first(tmp_path, tiny
     checkpoint = sorted((run / "checkpoints").iterdir())[-1]
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), run / "final-adapter")
     assert sum("lora_" in name for name, _ in with_adapter.named_parameters()) == 2 * 7 * 4  # A and B of 7 linears, 4 blocks
-    from litft.chat import load_for_chat
+    from litft.cli.chat import load_for_chat
 
     assert load_for_chat(str(run), torch.float32)[2] == f"adapter {run / 'final-adapter'} on its base"  # a run with its adapter alone
 

@@ -5,8 +5,8 @@ import torch
 
 from litft.config import EvalArgs, TrainArgs
 from litft.data import TinyTasks
-from litft.fp8 import EMULATE_VARIABLE, converts
-from litft.jobs import finetune_full, finetune_lora
+from litft.model.fp8 import EMULATE_VARIABLE, converts
+from litft.cli.jobs import finetune_full, finetune_lora
 from tests.conftest import read_metrics, step_losses
 
 QUIET = EvalArgs(interval=0, initial_validation=False, final_validation=False)

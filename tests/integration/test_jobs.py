@@ -6,7 +6,7 @@ import torch
 
 from litft.config import EvalArgs, TrainArgs
 from litft.data import TextFiles, TinyTasks
-from litft.jobs import finetune_full, finetune_lora, pretrain
+from litft.cli.jobs import finetune_full, finetune_lora, pretrain
 from tests.conftest import read_metrics, step_losses
 
 SMALL_DATA = dict(num_train=256, num_val=16)

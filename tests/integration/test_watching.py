@@ -13,7 +13,7 @@ import yaml
 
 from litft.config import EvalArgs, TrainArgs
 from litft.data import HF
-from litft.jobs import finetune_full
+from litft.cli.jobs import finetune_full
 from tests.conftest import read_metrics, run_cli
 
 ALPACA = [{"instruction": "Add the numbers.", "input": f"{i} + {j}", "output": str(i + j)} for i in range(8) for j in range(5)]

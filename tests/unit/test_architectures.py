@@ -13,13 +13,13 @@ import shutil
 import pytest
 import torch
 
-from litft import attention
-from litft.varlen import VarlenKernel, use_varlen_kernel
+from litft.model import attention
+from litft.model.varlen import VarlenKernel, use_varlen_kernel
 from litft.data.collate import collate
 from litft.data.samples import pack
 from litft.errors import LitftError
-from litft.model import check_architecture, load_config
-from litft.recurrent import carries_state
+from litft.model.loading import check_architecture, load_config
+from litft.model.recurrent import carries_state
 from tests.architectures import ARCHITECTURES, VOCAB, as_litft_builds_it, reference, samples, save_tiny
 from tests.varlen_standins import STANDINS
 
@@ -40,7 +40,7 @@ def references(folders):
 @pytest.mark.parametrize("architecture", TRAINED, ids=[a.name for a in TRAINED])
 def test_loss_and_gradients_equal_transformers_eager(architecture, folders, references):
     """Packed (padding-free) and padded batches: the summed loss to 1e-5 and every gradient to 1e-4 (relative L2). Models whose
-    layers carry state train on padded rows only (litft.recurrent)."""
+    layers carry state train on padded rows only (litft.model.recurrent)."""
     expected, expected_grads = references[architecture.name]
     for padding_free in (False,) if carries_state(architecture.build()) else (True, False):
         lm = as_litft_builds_it(folders[architecture.name])
@@ -69,8 +69,8 @@ def test_lora_all_linear_leaves_out_what_mamba_kernels_read_past_an_adapter():
     """mamba-ssm's fused kernels take a Mamba mixer's out_proj.weight directly: all-linear leaves it out (peft refuses it for
     Falcon-H1), and keeps every other linear layer, attention's output included."""
     from litft.config import LoraArgs
-    from litft.lora import resolved_targets
-    from litft.weights import skeleton
+    from litft.model.lora import resolved_targets
+    from litft.model.weights import skeleton
 
     model = skeleton(next(a for a in ARCHITECTURES if a.name == "falcon-h1").build(), torch.float32)
     targets = resolved_targets(LoraArgs(), model)
@@ -87,7 +87,7 @@ def test_qlora_keeps_mamba_output_projections_out_of_4_bits(folders, tmp_path):
     compute dtype, every other linear layer is 4-bit, and two steps train."""
     from litft.config import EvalArgs, TrainArgs
     from litft.data import TinyTasks
-    from litft.jobs import JOBS
+    from litft.cli.jobs import JOBS
 
     result = JOBS["finetune_lora"](str(folders["falcon-h1"]), out_dir=tmp_path / "run", quantize="bnb.nf4",
                                    data=TinyTasks(num_train=16, num_val=4), precision="bf16-true", accelerator="cpu", logger_name="csv",
@@ -161,7 +161,7 @@ def test_jobs_train_and_export_what_transformers_loads(job, name, folders, tmp_p
 
     from litft.config import EvalArgs, TrainArgs
     from litft.data import TinyTasks
-    from litft.jobs import JOBS
+    from litft.cli.jobs import JOBS
 
     flags = dict(data=TinyTasks(num_train=32, num_val=8), train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=2, save_interval=None),
                  eval=EvalArgs(interval=10**6, initial_validation=False), accelerator="cpu", logger_name="csv")
@@ -190,7 +190,7 @@ def test_a_loss_that_is_not_finite_stops_the_run_before_anything_is_saved(folder
 
     from litft.config import EvalArgs, TrainArgs
     from litft.data import TinyTasks
-    from litft.jobs import finetune_full
+    from litft.cli.jobs import finetune_full
 
     broken = tmp_path / "broken"
     shutil.copytree(folders["llama"], broken)
@@ -239,7 +239,7 @@ def test_tensor_parallel_splits_as_the_models_plan_says(folders):
     """What each block layer becomes under TP: the plan's styles (fused projections gathered, per-head norms summed, experts
     whole), Llama's names only where a model has no plan."""
     from litft.parallel.tensor import block_plan, split_layers
-    from litft.weights import skeleton, transformer_blocks
+    from litft.model.weights import skeleton, transformer_blocks
 
     def kinds(name):
         config = load_config(str(folders[name]))
@@ -262,7 +262,7 @@ def test_router_load_balancing_loss_is_added_as_transformers_adds_it(folders, tm
 
     from transformers import AutoModelForCausalLM
 
-    from litft.flops import model_shape
+    from litft.model.flops import model_shape
 
     folder = tmp_path / "qwen3-moe-aux"
     shutil.copytree(folders["qwen3-moe"], folder)
@@ -313,7 +313,7 @@ def test_state_carrying_models_get_an_estimate_and_no_mfu(folders, capsys):
     """Their layers' FLOPs are not counted yet: the run says so instead of an MFU that counts attention in every layer, and
     the estimate still counts their memory."""
     from litft.__main__ import main
-    from litft.flops import StepFlops
+    from litft.model.flops import StepFlops
 
     assert StepFlops.for_run(load_config(str(folders["qwen3-next"])), None, "32-true", torch.device("cpu"), say=print) is None
     assert "no MFU for this run: qwen3_next's state-carrying layers" in capsys.readouterr().out
@@ -323,7 +323,7 @@ def test_state_carrying_models_get_an_estimate_and_no_mfu(folders, capsys):
 
 def test_packing_a_state_carrying_model_is_refused_in_one_line(folders, tmp_path):
     from litft.data import TinyTasks
-    from litft.jobs import JOBS
+    from litft.cli.jobs import JOBS
 
     with pytest.raises(LitftError, match="--data.packing puts several samples in one row, and mamba's") as refusal:
         JOBS["finetune_full"](str(folders["mamba"]), out_dir=tmp_path / "run", data=TinyTasks(num_train=8, packing=True), accelerator="cpu")

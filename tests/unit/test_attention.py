@@ -6,14 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from litft import attention, varlen
-from litft.attention import SEGMENTS, choose
-from litft.varlen import VarlenKernel
+from litft.model import attention
+
+from litft.model import varlen
+from litft.model.attention import SEGMENTS, choose
+from litft.model.varlen import VarlenKernel
 from litft.config import TrainArgs
+from litft.objectives import next_token
 from litft.data.collate import collate
 from litft.data.samples import IGNORE_INDEX, pack
 from litft.errors import LitftError
-from litft.model import CausalLM, load_causal_lm
+from litft.model.causal_lm import CausalLM
+from litft.model.loading import load_causal_lm
 from tests.varlen_standins import STANDINS
 
 
@@ -34,7 +38,7 @@ def sdpa_calls(monkeypatch):
 def tiny_lm(tiny_dir, attention: str) -> CausalLM:
     model = load_causal_lm(str(tiny_dir), random_init=False, dtype=torch.float32)
     model.set_attn_implementation(attention)
-    return CausalLM(model, TrainArgs()).train()
+    return CausalLM(model, TrainArgs(), next_token()).train()
 
 
 def samples(lengths, seed=0):
@@ -187,7 +191,7 @@ def test_segments_attention_without_position_ids_is_plain_causal(tiny_dir):
 def test_liger_kernels_only_where_they_run(monkeypatch):
     import importlib.util
 
-    from litft.kernels import choose_kernels
+    from litft.model.kernels import choose_kernels
 
     installed = importlib.util.find_spec("liger_kernel") is not None
     assert choose_kernels("auto", "cpu") is False and choose_kernels("none", "cuda") is False
@@ -196,7 +200,7 @@ def test_liger_kernels_only_where_they_run(monkeypatch):
     assert choose_kernels("auto", "cuda") is installed
     if installed:
         assert choose_kernels("liger", "cuda") is True
-    from litft.kernels import describe_kernels
+    from litft.model.kernels import describe_kernels
 
     assert "auto: a GPU with liger-kernel" in describe_kernels("auto", True)
     assert "--kernels liger" in describe_kernels("liger", True)
@@ -207,7 +211,7 @@ def test_liger_kernels_only_where_they_run(monkeypatch):
 def test_liger_kernels_train_as_the_models_own(tiny_dir):
     """Where they run: the same loss and gradients as the model's own norm, rotary and MLP."""
     pytest.importorskip("liger_kernel")
-    from litft.kernels import use_liger_kernels
+    from litft.model.kernels import use_liger_kernels
 
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collate(samples([9, 14]), pad_id=0).items()}
     results = []
@@ -215,7 +219,7 @@ def test_liger_kernels_train_as_the_models_own(tiny_dir):
         model = load_causal_lm(str(tiny_dir), random_init=False, dtype=torch.float32).cuda()
         if liger:
             use_liger_kernels(model)
-        lm = CausalLM(model, TrainArgs()).train()
+        lm = CausalLM(model, TrainArgs(), next_token()).train()
         loss = lm.loss_sum(batch)
         loss.backward()
         results.append((loss.item(), {n: p.grad for n, p in lm.named_parameters()}))
@@ -259,7 +263,7 @@ def test_no_host_reads_inside_the_decoder_layers(tiny_dir, path, lengths):
     from functools import wraps
 
     from litft.config import LoraArgs
-    from litft.lora import apply_lora
+    from litft.model.lora import apply_lora
 
     counter = None
 
@@ -276,7 +280,7 @@ def test_no_host_reads_inside_the_decoder_layers(tiny_dir, path, lengths):
         model = load_causal_lm(str(tiny_dir), random_init=False, dtype=torch.bfloat16 if path == "varlen" else torch.float32)
         model.set_attn_implementation(SEGMENTS)
         model = apply_lora(model, LoraArgs(r=4, dropout=0.0))
-        lm = CausalLM(model, TrainArgs()).train()
+        lm = CausalLM(model, TrainArgs(), next_token()).train()
         batch = collate(samples(lengths), pad_id=0, padding_free=True)
         attention.RECORD.clear()
         with HostReads(lm.hf_model.model.layers) as counter:
@@ -295,12 +299,14 @@ def test_no_host_reads_in_a_training_step_of_moe_lora_experts_and_preference(run
     """A whole micro-batch (forward, the router's load counter, the loss, backward) reads nothing back: MoE experts counted
     into fixed-size buffers, grouped matmuls given their sizes, preference figures filled on the device. (Expert parallel
     reads its all-to-all's split sizes once per MoE layer: torch takes them as host integers.)"""
-    from litft.build import build_model
-    from litft.config import LoraArgs, ObjectiveArgs
+    from litft.run.build import build_model
+    from litft.config import LoraArgs
+    from litft.objectives import build_objective
+    from litft.objectives.args import ObjectiveArgs
     from litft.data.preference import TinyPreferences
-    from litft.experts import ExpertLoad
-    from litft.model import load_config
-    from litft.tiny import TINY_MOE_NAME, ensure_tiny_model
+    from litft.model.experts import ExpertLoad
+    from litft.model.loading import load_config
+    from litft.model.tiny import TINY_MOE_NAME, ensure_tiny_model
     from transformers import AutoModelForCausalLM
 
     moe = run in ("moe", "lora on experts")
@@ -312,8 +318,8 @@ def test_no_host_reads_in_a_training_step_of_moe_lora_experts_and_preference(run
                         structure=lambda config, dtype: AutoModelForCausalLM.from_config(config, dtype=dtype))
     for param in model.parameters():
         torch.nn.init.normal_(param, std=0.02) if param.dim() > 1 else torch.nn.init.ones_(param)
-    objective = ObjectiveArgs(name="simpo") if run == "preference" else None
-    lm = CausalLM(model, TrainArgs(), objective=objective).train()
+    objective = build_objective(ObjectiveArgs(name="simpo" if run == "preference" else "sft"), lora=lora is not None)
+    lm = CausalLM(model, TrainArgs(), objective).train()
     load = ExpertLoad.of(lm.hf_model)
     assert (load is not None) == moe
     if run == "dense":

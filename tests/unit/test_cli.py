@@ -219,7 +219,7 @@ def test_batch_defaults_follow_the_world_size():
     import inspect
 
     from litft.config import TrainArgs
-    from litft.jobs import RunSpec, finetune_full
+    from litft.cli.jobs import RunSpec, finetune_full
 
     flags = inspect.signature(finetune_full).bind(devices=8)
     flags.apply_defaults()

@@ -3,9 +3,9 @@ import time
 
 import pytest
 
-from litft.cluster import apply_launcher_env, check_in, launcher, preflight
+from litft.launch.cluster import apply_launcher_env, check_in, launcher, preflight
 from litft.errors import LitftError
-from litft.launchers import free_port
+from litft.launch.launchers import free_port
 
 TORCHRUN = {"RANK": "0", "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}
 # What srun sets for `sbatch --nodes=2 --ntasks-per-node=4`.
@@ -92,7 +92,7 @@ def test_nnodes_and_nproc_per_node_fill_default_flags():
 
 
 def test_a_restarted_run_is_recognised(monkeypatch):
-    from litft.cluster import restarted
+    from litft.launch.cluster import restarted
 
     for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
         monkeypatch.delenv(name, raising=False)
@@ -111,7 +111,7 @@ def test_peer_watch_names_a_frozen_rank_and_a_straggler():
 
     from torch.distributed import TCPStore
 
-    from litft.watch import PeerWatch
+    from litft.launch.watch import PeerWatch
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     watch = PeerWatch(rank=0, world_size=3, devices=2, timeout=0.5, store=store)
@@ -139,7 +139,7 @@ def test_peer_watch_ranks_judging_together_see_each_other_alive(capfd):
 
     from torch.distributed import TCPStore
 
-    from litft.watch import PeerWatch
+    from litft.launch.watch import PeerWatch
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     killed = []

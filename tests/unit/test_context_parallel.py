@@ -39,7 +39,7 @@ def test_slices_make_up_the_batch(padding_free, size):
     for place, s in enumerate(slices):
         row, column = s["targets"]["index"] // part, s["targets"]["index"] % part
         found += [(int(r) * width + int(c) + place * part, int(label)) for r, c, label in zip(row, column, s["targets"]["labels"])]
-        assert s["varlen"][MARK] == size and int(s["varlen"]["cu_seq_lens_q"][-1]) == rows * part * size
+        assert s["varlen"][MARK].size == size and int(s["varlen"]["cu_seq_lens_q"][-1]) == rows * part * size
     expected = list(zip(batch["targets"]["index"].tolist(), batch["targets"]["labels"].tolist()))
     assert sorted(found) == sorted(expected) and len(found) == len(expected)
 

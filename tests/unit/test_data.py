@@ -119,10 +119,11 @@ def test_packed_rows_give_the_same_logits_as_separate_samples(tiny_dir, tokenize
     from transformers import AutoModelForCausalLM
 
     from litft.config import TrainArgs
-    from litft.model import CausalLM
+    from litft.model.causal_lm import CausalLM
+    from litft.objectives import next_token
 
     # Through the training forward: transformers only honours packed position ids without a KV cache.
-    lm = CausalLM(AutoModelForCausalLM.from_pretrained(tiny_dir), TrainArgs()).eval()
+    lm = CausalLM(AutoModelForCausalLM.from_pretrained(tiny_dir), TrainArgs(), next_token()).eval()
     samples = TinyTasks(num_train=6, num_val=0, max_seq_length=200).tokenize(tokenizer, seed=0).train[:3]
     packed = pack(samples, max_length=200)
     assert len(packed) == 1
@@ -142,9 +143,10 @@ def test_right_padding_does_not_change_the_loss(tiny_dir, tokenizer):
     from transformers import AutoModelForCausalLM
 
     from litft.config import TrainArgs
-    from litft.model import CausalLM
+    from litft.model.causal_lm import CausalLM
+    from litft.objectives import next_token
 
-    lm = CausalLM(AutoModelForCausalLM.from_pretrained(tiny_dir), TrainArgs()).eval()
+    lm = CausalLM(AutoModelForCausalLM.from_pretrained(tiny_dir), TrainArgs(), next_token()).eval()
     samples = TinyTasks(num_train=4, num_val=0).tokenize(tokenizer, seed=0).train
     with torch.no_grad():
         together = lm.loss_sum(collate(samples, tokenizer.pad_token_id))

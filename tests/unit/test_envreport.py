@@ -1,7 +1,7 @@
 """litft env: the report a bug report needs, and which strategies --check runs here."""
 
 from litft.__main__ import main
-from litft.envreport import check_cases
+from litft.cli.envreport import check_cases
 
 
 def test_report_names_versions_backends_and_attention_per_precision(capsys):
@@ -23,7 +23,7 @@ def test_check_runs_every_strategy_of_a_cpu_machine_on_two_processes():
 
 def test_check_says_what_it_skips_and_why(monkeypatch):
     """A machine without DeepSpeed, or with one GPU, is told which strategies --check leaves out, not left to wonder."""
-    from litft import envreport
+    from litft.cli import envreport
 
     monkeypatch.setattr(envreport, "installed", lambda package: None if package == "deepspeed" else "1")
     lines = envreport.skipped_strategies(world=1)

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from litft.config import DeepSpeedArgs, FSDPArgs, Layout, LoraArgs, TrainArgs
+from litft.objectives import next_token
 from litft.estimate import render
 from litft.estimate.states import memory_layout
-from litft.memory import GiB, Param
+from litft.estimate.memory import GiB, Param
 from litft.parallel.strategies import SingleDevice, strategy_class
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,9 +103,9 @@ def test_model_states_match_a_real_step(tiny_dir, quantize, precision):
     """The job's own module (build.build_module), one step, then the strategy's state_bytes: trained adapters
     beside a frozen (or 4-bit, or bf16 under bf16-mixed) base. Full finetunes and two-rank layouts are checked
     against real runs' logs by benchmarks/estimate_check.py."""
-    from litft.build import build_model, build_module
+    from litft.run.build import build_model, build_module
     from litft.estimate.inventory import model_tensors
-    from litft.model import load_config
+    from litft.model.loading import load_config
 
     lora = LoraArgs(r=4, alpha=8, dropout=0.0, target_modules="all-linear", quantize=quantize)
     strategy = SingleDevice(Layout(), "cpu", precision, TrainArgs())
@@ -140,10 +141,10 @@ def test_saved_activations_match_saved_tensors_hooks():
     from transformers import LlamaConfig
 
     from benchmarks.activation_probe import measure_step
-    from litft.build import build_model
+    from litft.run.build import build_model
     from litft.estimate.trace import trace_activations
-    from litft.model import CausalLM
-    from litft.weights import Materializer
+    from litft.model.causal_lm import CausalLM
+    from litft.model.weights import Materializer
 
     config = LlamaConfig(
         vocab_size=384, hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -152,7 +153,7 @@ def test_saved_activations_match_saved_tensors_hooks():
     build = dict(
         precision="bf16-mixed", lora=LoraArgs(r=4, alpha=8, dropout=0.05, target_modules="all-linear"), frozen_dtype=torch.bfloat16
     )
-    lm = CausalLM(build_model(config, **build, gradient_checkpointing=False), TrainArgs())
+    lm = CausalLM(build_model(config, **build, gradient_checkpointing=False), TrainArgs(), next_token())
     Materializer(lm.model, lm.hf_model, None, seed=0)(lm)
     lm.train()
     tokens = torch.randint(0, 384, (2, 128))
@@ -201,9 +202,9 @@ def test_cli_estimates_a_shipped_config(capsys):
 def test_tensor_parallel_splits_the_blocks_before_fsdp_shards_them(tiny_dir):
     """Per rank: a split layer's tensors 1/(tp x shard), the rest 1/shard, as test_sharding's tensor-parallel run measures
     them; the heads' and MLP's activations shrink, the hidden states between blocks stay whole."""
-    from litft.build import build_model
+    from litft.run.build import build_model
     from litft.estimate import memory_plan
-    from litft.model import load_config
+    from litft.model.loading import load_config
     from litft.parallel.tensor import split_over_tensor_parallel
 
     plans = {

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from litft.config import DeepSpeedArgs, FSDPArgs, Layout, LoraArgs
-from litft.experts import describe, experts_modules
-from litft.lora import apply_lora
+from litft.model.experts import describe, experts_modules
+from litft.model.lora import apply_lora
 from litft.parallel.expert import compute_expert_lora, local_share, take_over_forward
 from litft.parallel.mesh import Mesh
 from litft.parallel.strategies import FSDP

@@ -1,4 +1,4 @@
-"""MoE experts run as litft.experts chooses: transformers' grouped matmul wherever the model offers it, named, and exact.
+"""MoE experts run as litft.model.experts chooses: transformers' grouped matmul wherever the model offers it, named, and exact.
 
 The exactness itself is the conformance test's (tests/unit/test_architectures.py: litft's grouped experts against
 transformers' per-expert loop, loss 1e-5 and every gradient 1e-4, for Mixtral, Qwen2/3-MoE, PhiMoE and gpt-oss).
@@ -6,7 +6,7 @@ transformers' per-expert loop, loss 1e-5 and every gradient 1e-4, for Mixtral, Q
 
 import torch
 
-from litft.experts import CHOSEN, ExpertLoad, choose, describe, grouped_kernel, load_figures, use_grouped_experts
+from litft.model.experts import CHOSEN, ExpertLoad, choose, describe, grouped_kernel, load_figures, use_grouped_experts
 from tests.architectures import ARCHITECTURES, VOCAB
 
 MOE = [a for a in ARCHITECTURES if a.refused is None and ("MoE" in a.features or a.name == "gpt-oss")]
@@ -89,7 +89,7 @@ def test_lora_on_a_moe_model_is_added_once_and_bad_targets_are_one_line():
 
     from litft.config import LoraArgs
     from litft.errors import LitftError
-    from litft.lora import apply_lora
+    from litft.model.lora import apply_lora
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # peft warns when a model is modified twice, and about its own unmatched patterns

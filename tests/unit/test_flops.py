@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from litft.build import enable_checkpointing
+from litft.run.build import enable_checkpointing
 from litft.errors import LitftError
-from litft.flops import flops_per_token
-from litft.peaks import PEAK_TFLOPS, device_key, mfu, peak_flops, precision_key
+from litft.model.flops import flops_per_token
+from litft.model.peaks import PEAK_TFLOPS, device_key, mfu, peak_flops, precision_key
 
 MODELS = Path(__file__).resolve().parents[2] / "config_hub" / "models"
 SEQ, BATCH = 64, 2
@@ -66,7 +66,7 @@ def test_full_training_matches_flop_counter(kind):
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj"]])
 def test_lora_matches_flop_counter(targets):
     from litft.config import LoraArgs
-    from litft.lora import apply_lora
+    from litft.model.lora import apply_lora
 
     config = small_config()
     model = apply_lora(build(config), LoraArgs(8, 16, 0.0, targets))
@@ -78,7 +78,7 @@ def test_lora_matches_flop_counter(targets):
 
 def test_recompute_counts_the_hardware_work_of_activation_checkpointing():
     from litft.config import LoraArgs
-    from litft.lora import apply_lora
+    from litft.model.lora import apply_lora
 
     config = small_config()
     full = flops_per_token(config, SEQ, recompute=True)
@@ -196,7 +196,7 @@ def test_shipped_configs_have_the_published_sizes(name, params):
 
 def test_step_flops_are_flops_per_token_at_the_row_length():
     """The loop's two coefficients reproduce flops_per_token at any sample length, for full training and LoRA."""
-    from litft.flops import StepFlops
+    from litft.model.flops import StepFlops
 
     config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
               "num_key_value_heads": 2, "intermediate_size": 160, "vocab_size": 300}

@@ -1,4 +1,4 @@
-"""The one generation service (litft.generation): what it decodes is the model's own argmax or the sampler's draw, in eval
+"""The one generation service (litft.model.generation): what it decodes is the model's own argmax or the sampler's draw, in eval
 mode, whatever the model's generation config says; a sampled token's log-prob is what a full forward of the model gives at
 the temperature; a completion depends on its seed alone."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from litft.generation import Generation
+from litft.model.generation import Generation
 from litft.parallel.mesh import DataPlace
 
 

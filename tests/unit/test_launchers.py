@@ -2,9 +2,9 @@
 
 import pytest
 
-from litft.cluster import launcher, preflight
+from litft.launch.cluster import launcher, preflight
 from litft.errors import LitftError
-from litft.launchers import environment_world, without_local_rank_argument
+from litft.launch.launchers import environment_world, without_local_rank_argument
 
 # What the deepspeed launcher sets for rank 3 of `deepspeed --num_nodes 2 --num_gpus 2` (on node 1).
 DEEPSPEED = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "CROSS_RANK": "1", "CROSS_SIZE": "2", "LOCAL_SIZE": "2",

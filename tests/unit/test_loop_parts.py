@@ -6,10 +6,12 @@ import time
 import pytest
 import torch
 
-from litft.config import EvalArgs, ObjectiveArgs
+from litft.config import EvalArgs
+
+from litft.objectives.args import ObjectiveArgs
 from litft.errors import LitftError
-from litft.loop import LoopState
-from litft.metrics import Cadence, SampleLog, StopRequests, Throughput
+from litft.run.loop import LoopState
+from litft.run.metrics import Cadence, SampleLog, StopRequests, Throughput
 from litft.objectives import Supervised
 
 
@@ -101,8 +103,8 @@ def test_train_step_reads_nothing_back_from_the_device_but_on_log_steps():
     from types import SimpleNamespace
 
     from litft.config import TrainArgs
-    from litft.loop import StepBatch, train_step
-    from litft.metrics import StepMeter
+    from litft.run.loop import StepBatch, train_step
+    from litft.run.metrics import StepMeter
 
     fabric = SimpleNamespace(
         world_size=1, global_rank=0, device=torch.device("cpu"), is_global_zero=False, to_device=lambda b: b, autocast=nullcontext,
@@ -137,7 +139,7 @@ def test_generation_runs_compiled_blocks_eagerly_and_compiles_nothing_new(monkey
     and dynamo's disable switch on a torch without it); outside, its compiled code serves the training shape again."""
     from torch._dynamo.utils import counters
 
-    from litft.compiling import eager_blocks
+    from litft.model.compiling import eager_blocks
 
     if not torch_has_set_stance:
         monkeypatch.delattr(torch.compiler, "set_stance")
@@ -167,7 +169,7 @@ def test_generation_runs_compiled_blocks_eagerly_and_compiles_nothing_new(monkey
 def test_compile_auto_compiles_only_where_it_measured_faster():
     """auto: eager on the CPU and on CUDA (compiled blocks ran slower there, docs/speed.md), compiled with FP8, whose casts
     inductor fuses; a blocker turns auto off and refuses --compile true in one line."""
-    from litft.compiling import choose
+    from litft.model.compiling import choose
 
     assert not choose("auto", "cpu", True, "fsdp").enabled
     assert not choose("auto", "cpu", True, "fsdp", fp8="tensorwise").enabled

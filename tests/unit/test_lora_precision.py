@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from litft.build import build_module
+from litft.run.build import build_module
 from litft.config import Layout, LoraArgs, TrainArgs
-from litft.lora import peft_config
+from litft.model.lora import peft_config
 from litft.parallel.strategies import SingleDevice
 from litft.parallel.strategies import fsdp
 
@@ -91,8 +91,8 @@ def test_adapter_dropout_keeps_a_mask_not_a_copy_and_trains_as_peft(tiny_dir, au
     from peft import get_peft_model
 
     from litft.config import LoraArgs
-    from litft.lora import DroppedInputLinear, keep_one_input_per_layer, peft_config
-    from litft.model import load_causal_lm
+    from litft.model.lora import DroppedInputLinear, keep_one_input_per_layer, peft_config
+    from litft.model.loading import load_causal_lm
 
     base = load_causal_lm(str(tiny_dir), random_init=False, dtype=base_dtype)
     base.requires_grad_(False)
@@ -143,8 +143,8 @@ def test_adapters_add_into_the_base_output_inside_their_second_matmul(tiny_dir, 
     from peft import get_peft_model
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from litft.lora import add_adapters_in_one_matmul
-    from litft.model import load_causal_lm
+    from litft.model.lora import add_adapters_in_one_matmul
+    from litft.model.loading import load_causal_lm
 
     class CountAddmm(TorchDispatchMode):
         calls = 0

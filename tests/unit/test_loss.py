@@ -4,13 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from litft import loss as fused
-from litft.build import build_model
+from litft.model import loss as fused
+from litft.run.build import build_model
 from litft.config import LoraArgs, TrainArgs
+from litft.objectives import next_token
 from litft.data.collate import collate
 from litft.data.samples import IGNORE_INDEX
-from litft.model import CausalLM, load_config
-from litft.weights import CheckpointWeights, Materializer
+from litft.model.causal_lm import CausalLM
+from litft.model.loading import load_config
+from litft.model.weights import CheckpointWeights, Materializer
 
 
 def plain_loss(hidden, weight, bias, labels):
@@ -61,7 +63,7 @@ def module(tiny_dir, lora=None, attention="litft_segments"):
     config = load_config(str(tiny_dir))
     quantized = lora is not None and lora.quantize is not None
     model = build_model(config, "32-true", lora, False, source=str(tiny_dir), device=torch.device("cpu"), attention=attention)
-    lm = CausalLM(model, TrainArgs())
+    lm = CausalLM(model, TrainArgs(), next_token())
     if not quantized:
         Materializer(lm.model, lm.hf_model, CheckpointWeights(tiny_dir), seed=0)(lm)
     return lm.train()

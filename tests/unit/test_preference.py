@@ -11,14 +11,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from litft.config import ObjectiveArgs
+from litft.objectives.args import ObjectiveArgs
 from litft.config import TrainArgs
 from litft.data.collate import collate
 from litft.data.samples import IGNORE_INDEX
 from litft.data.preference import Preferences, TinyPreferences, preference_records
 from litft.errors import LitftError
-from litft.loss import TargetLogProbs, fuse_target_loss
-from litft.model import CausalLM
+from litft.model.loss import TargetLogProbs, fuse_target_loss
+from litft.model.causal_lm import CausalLM
 from litft.parallel.context import slice_batch
 from litft.objectives import build_objective
 from litft.objectives.preference import figures_of
@@ -115,7 +115,7 @@ def litft_lm(policy, fused: bool, objective):
     hf.set_attn_implementation("sdpa")
     if fused:
         assert fuse_target_loss(hf)
-    return CausalLM(policy, TrainArgs(), objective=objective).train()
+    return CausalLM(policy, TrainArgs(), build_objective(objective, lora=hasattr(policy, "disable_adapter"))).train()
 
 
 def grads(module):
@@ -140,7 +140,7 @@ def test_objective_matches_an_independent_reference(name, lora, fused, padding_f
     lm = litft_lm(policy, fused, objective)
     samples = [dict(s) for s in pairs]
     if objective.uses_reference and not lora:  # full fine-tuning: the reference scored before training, carried by the pairs
-        ref_lm = CausalLM(reference, TrainArgs(), objective=objective).eval()
+        ref_lm = CausalLM(reference, TrainArgs(), build_objective(objective, lora=False)).eval()
         with torch.no_grad():
             table = ref_lm.predict_step(collate(samples, tokenizer.pad_token_id, padding_free=True))
         for sample, row in zip(samples, table):
@@ -327,8 +327,8 @@ def test_estimate_counts_both_sequences_of_a_pair_and_names_the_reference(tiny_d
 
 def test_mfu_counts_the_reference_forward_of_an_adapter_off_reference(tiny_dir):
     from litft.config import LoraArgs
-    from litft.flops import StepFlops, flops_per_token
-    from litft.model import load_config
+    from litft.model.flops import StepFlops, flops_per_token
+    from litft.model.loading import load_config
 
     config, cpu = load_config(str(tiny_dir)), torch.device("cpu")
     plain = StepFlops.for_run(config, LoraArgs(), "32-true", cpu)

@@ -2,9 +2,9 @@
 
 import torch
 
-from litft.build import build_model
+from litft.run.build import build_model
 from litft.config import LoraArgs
-from litft.model import load_config
+from litft.model.loading import load_config
 
 
 def qlora_step(tiny_dir, validate_first: bool):

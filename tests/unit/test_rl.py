@@ -13,11 +13,11 @@ import statistics
 import pytest
 import torch
 
-from litft.config import ObjectiveArgs
+from litft.objectives.args import ObjectiveArgs
 from litft.errors import LitftError
 from litft.objectives import build_objective
-from litft.objectives.rewards import exact_match, format_reward, load_rewards, score_completions, weighted_sum
-from litft.objectives.rewards import group_advantages
+from litft.rl.rewards import exact_match, format_reward, load_rewards, score_completions, weighted_sum
+from litft.rl.rewards import group_advantages
 
 EPS = 1e-4
 
@@ -237,7 +237,7 @@ def test_the_sampler_draws_from_the_softmax_at_the_temperature_with_noise_of_eac
     """Inverse CDF on hashed uniforms: first tokens of 40,000 rows fall as softmax(logits / T) says (top-p drops the tail), each
     drawn token's log-prob is log softmax(logits / T) at it (the whole vocabulary, top-p or not), and a row's draws depend on
     its seed alone, not on the rows beside it."""
-    from litft.generation import Sampler
+    from litft.model.generation import Sampler
 
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
     rows = 40_000
@@ -273,7 +273,7 @@ def test_the_sampler_draws_from_the_softmax_at_the_temperature_with_noise_of_eac
 
 
 def test_dealing_gives_every_rank_as_many_calls_and_each_prompt_once():
-    from litft.generation import deal
+    from litft.model.generation import deal
 
     for count, per_call, world in ((10, 4, 2), (3, 4, 2), (16, 4, 4), (0, 2, 2), (7, 1, 3)):
         runs = [deal(count, per_call, rank, world) for rank in range(world)]

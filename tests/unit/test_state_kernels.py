@@ -1,4 +1,4 @@
-"""Packed rows for the models whose state kernels take per-sample boundaries (litft.recurrent.BOUNDARY_KERNELS).
+"""Packed rows for the models whose state kernels take per-sample boundaries (litft.model.recurrent.BOUNDARY_KERNELS).
 
 The kernels are CUDA-only, so one child process runs with CPU stand-ins of mamba-ssm,
 causal-conv1d and fla on its path (tests/state_kernel_standins): transformers then
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from litft.recurrent import BOUNDARY_KERNELS, DELTA_RULE, boundary_kernels, describe
+from litft.model.recurrent import BOUNDARY_KERNELS, DELTA_RULE, boundary_kernels, describe
 from tests.architectures import ARCHITECTURES, reference, save_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def packed_in_child(folders: dict, out: Path, job_folder: Path) -> None:
     from litft.data.collate import collate
     from litft.data.samples import pack
     from litft.config import EvalArgs, TrainArgs
-    from litft.jobs import JOBS
+    from litft.cli.jobs import JOBS
     from tests.architectures import as_litft_builds_it, samples
 
     results = {}
@@ -57,8 +57,8 @@ def packed_in_child(folders: dict, out: Path, job_folder: Path) -> None:
         results[name] = {"loss": loss.item(), "grads": grads, "calls": calls, "whole_rows": lm.whole_rows, "eval_loss": evaluated,
                          "eval_calls": {k: v - calls.get(k, 0) for k, v in eval_calls.items()}}
     torch.save(results, out)
-    from litft.attention import PACKED_SAFE
-    from litft.recurrent import boundary_kernels
+    from litft.model.attention import PACKED_SAFE
+    from litft.model.recurrent import boundary_kernels
 
     config = as_litft_builds_it(Path(folders["qwen3-next"])).hf_model.config
     (out.parent / "choices.json").write_text(json.dumps({attention: list(boundary_kernels(config, "cpu", attention in PACKED_SAFE))

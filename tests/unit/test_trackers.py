@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from litft.errors import LitftError
-from litft.plot import plot_losses
-from litft.trackers import MLflowTracker, WandbTracker
+from litft.run.plot import plot_losses
+from litft.run.trackers import MLflowTracker, WandbTracker
 
 
 @pytest.mark.parametrize("tracker, module, extra", [(WandbTracker, "wandb", "wandb"), (MLflowTracker, "mlflow", "mlflow")])

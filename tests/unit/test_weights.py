@@ -4,15 +4,15 @@ import pytest
 import torch
 
 from litft.errors import LitftError
-from litft.model import load_causal_lm, load_config
-from litft.weights import CheckpointWeights, Materializer, skeleton, transformer_blocks
+from litft.model.loading import load_causal_lm, load_config
+from litft.model.weights import CheckpointWeights, Materializer, skeleton, transformer_blocks
 
 
 def materialized(tiny_dir, weights=True, seed=0, order="whole", lora=False):
     model = skeleton(load_config(str(tiny_dir)), torch.float32)
     if lora:
         from litft.config import LoraArgs
-        from litft.lora import apply_lora
+        from litft.model.lora import apply_lora
 
         model = apply_lora(model, LoraArgs(4, 8, 0.0, "all-linear"))
     hf = model.get_base_model() if lora else model
@@ -82,7 +82,7 @@ def test_a_hub_layout_checkpoint_is_converted_while_read_one_group_at_a_time(nam
     transformers' from_pretrained makes of the checkpoint, at most one converted group is held, and nothing is written."""
     from transformers import AutoModelForCausalLM
 
-    from litft.hub_layout import HubLayoutWeights, model_layout_weights
+    from litft.model.hub_layout import HubLayoutWeights, model_layout_weights
     from tests.architectures import ARCHITECTURES, save_tiny
 
     monkeypatch.setenv("LITFT_HOME", str(tmp_path / "home"))
@@ -104,7 +104,7 @@ def test_a_hub_layout_checkpoint_is_converted_while_read_one_group_at_a_time(nam
 def test_a_zero3_partition_of_stacked_experts_reads_only_its_experts(tmp_path, monkeypatch):
     """A flat range of a layer's stacked experts (a ZeRO-3 partition) is converted from the experts it covers alone, and equals
     the same range of the whole converted tensor."""
-    from litft.hub_layout import model_layout_weights
+    from litft.model.hub_layout import model_layout_weights
     from tests.architectures import ARCHITECTURES, save_tiny
 
     monkeypatch.setenv("LITFT_HOME", str(tmp_path / "home"))
@@ -127,7 +127,7 @@ def test_a_zero3_partition_of_stacked_experts_reads_only_its_experts(tmp_path, m
 def test_an_fsdp_rank_fills_reads_and_converts_only_the_rows_it_keeps(tmp_path, monkeypatch):
     """The second of two FSDP ranks fills a Qwen3-MoE block in the hub's layout: each parameter's kept rows (torch.chunk's, as
     FSDP2 shards) equal the whole load's, and only experts 2 and 3 of the layer's per-expert tensors are read."""
-    from litft.hub_layout import model_layout_weights
+    from litft.model.hub_layout import model_layout_weights
     from litft.parallel.strategies.fsdp import chunk_rows, kept_rows
     from tests.architectures import ARCHITECTURES, save_tiny
 
@@ -164,7 +164,7 @@ def test_a_tensor_parallel_rank_fills_only_its_slice_of_each_split(name, tmp_pat
     """Rank (tensor 1 of 2, shard 1 of 2) fills a block: a column split's rows and a row split's columns, each chunked again
     over dim 0 as FSDP2 shards the slice, equal the whole load's there (the model's own plan: Phi-3's fused projections,
     GPT-NeoX's interleaved qkv); the rest is never written."""
-    from litft.hub_layout import model_layout_weights
+    from litft.model.hub_layout import model_layout_weights
     from litft.parallel.strategies.fsdp import chunk_rows, kept_slices
     from litft.parallel.tensor import split_parts
     from tests.architectures import ARCHITECTURES, save_tiny

@@ -18,9 +18,9 @@ from litft.checkpoint.format import safe_reader
 from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
-from litft.fp8 import precompute_scales as precompute_fp8_scales
+from litft.model.fp8 import precompute_scales as precompute_fp8_scales
 from litft.parallel.mesh import Mesh
-from litft.weights import CheckpointWeights, Materializer, skeleton
+from litft.model.weights import CheckpointWeights, Materializer, skeleton
 
 Fill = Callable[[torch.nn.Module], None]  # gives real values to the meta tensors of a part of the model
 

@@ -3,7 +3,7 @@
 
 from lightning_fabric.strategies import DDPStrategy
 
-from litft.cluster import process_group_timeout
+from litft.launch.cluster import process_group_timeout
 from litft.parallel.strategies.base import TrainingStrategy
 
 

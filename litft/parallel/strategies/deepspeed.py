@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning_fabric.utilities.seed import reset_seed
 
-from litft.cluster import process_group_timeout
+from litft.launch.cluster import process_group_timeout
 from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
@@ -25,7 +25,7 @@ from litft.parallel.mesh import Mesh, layout_data_world
 from litft.parallel.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes, read_dcp
 from litft.parallel.strategies.deepspeed_config import deepspeed_config
 from litft.parallel.strategies.deepspeed_state import RowShards, empty_state, restore_training_state, trained_parameters, training_state, unsharded_entries
-from litft.weights import CheckpointWeights, Materializer
+from litft.model.weights import CheckpointWeights, Materializer
 
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
 

@@ -16,16 +16,16 @@ from lightning_fabric.strategies import ModelParallelStrategy
 from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from litft.cluster import process_group_timeout
+from litft.launch.cluster import process_group_timeout
 from litft.config import Layout
 from litft.device import compute_dtype, release_freed_host_memory
 from litft.errors import LitftError
-from litft.experts import experts_modules
+from litft.model.experts import experts_modules
 from litft.parallel.expert import deal_out_experts, expert_data_mesh, expert_tensors
 from litft.parallel.mesh import Mesh
 from litft.parallel.strategies.base import Fill, TrainingStrategy
 from litft.parallel.tensor import clip_by_global_norm, parallelize_block, split_parts, splits_local_data, sum_partial_gradients
-from litft.weights import Materializer, transformer_blocks
+from litft.model.weights import Materializer, transformer_blocks
 
 
 CHECKSUM_CHUNK = 2**20  # elements summed at a time by the replica check

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from transformers.initialization import no_init_weights
 
 from litft.device import release_freed_host_memory
-from litft.weights import Materializer, transformer_blocks
+from litft.model.weights import Materializer, transformer_blocks
 
 
 class PartitionOnBuild(deepspeed.zero.Init):

@@ -1,0 +1,190 @@
+"""``litft chat`` and ``litft generate``: talk to what was trained, prompts rendered as training rendered them.
+
+A model is a Hugging Face folder (a run's ``final/``), a peft adapter folder (a
+run's ``final-adapter/``, put on the base it names), a training checkpoint or a
+run's folder (a LoRA checkpoint's adapter on its base; a full one exported first),
+litft-tiny or a hub id. Prompts go through the rendering of training data
+(``litft.data.sft``), so the model sees its chat template, or the Alpaca headers
+it was trained with, exactly as it did in training.
+"""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+from transformers import AutoModelForCausalLM, TextStreamer
+
+from litft.checkpoint.convert import export
+from litft.checkpoint.format import CHECKPOINTS, META, CheckpointMeta, resolve_resume
+from litft.data.sft import JSON
+from litft.device import resolve_accelerator
+from litft.errors import LitftError
+from litft.model.generation import stop_tokens
+from litft.cli.flags import GENERATION, PROMPT, TRAINED_MODEL, command
+from litft.model.loading import load_tokenizer, resolve_model
+
+ANSWER_STAND_IN = "x"  # the answer's turn is rendered with a stand-in, to find where the prompt ends
+LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines splits on
+HELP = "Ctrl-D or /exit quits, /reset starts a new conversation, Ctrl-C stops an answer"
+
+
+def _from_pretrained(source: str, dtype: torch.dtype):
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise LitftError(f"could not load '{source}' ({first}); pass a model folder, a litft run or checkpoint, or a hub id") from None
+
+
+def _with_adapter(adapter: Path, dtype: torch.dtype):
+    """A peft adapter folder on the base model its config names."""
+    from peft import PeftModel  # here, not at the top: litft.model.lora says why
+
+    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return PeftModel.from_pretrained(_from_pretrained(resolve_model(base), dtype), str(adapter)).eval()
+
+
+def load_for_chat(name: str, dtype: torch.dtype):
+    """The model, its tokenizer and a few words on what was loaded, for every form the module docstring lists."""
+    path = Path(name).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        if (path / CHECKPOINTS).is_dir() and (path / "final" / "config.json").is_file():
+            path = path / "final"  # a finished run: what it exported
+        elif (path / CHECKPOINTS).is_dir() and (path / "final-adapter" / "adapter_config.json").is_file():
+            path = path / "final-adapter"  # a finished LoRA run that exported its adapter alone
+        elif (path / META).is_file() or (path / CHECKPOINTS).is_dir():
+            return _from_checkpoint(resolve_resume(str(path), path), dtype)
+    if (path / "adapter_config.json").is_file():
+        return _with_adapter(path, dtype), load_tokenizer(str(path)), f"adapter {path} on its base"
+    source = resolve_model(str(path) if path.exists() else name)
+    return _from_pretrained(source, dtype), load_tokenizer(source), source
+
+
+def _from_checkpoint(checkpoint: Path, dtype: torch.dtype):
+    """A LoRA checkpoint's adapter on its base; a full checkpoint exported (block by block) to a temporary folder."""
+    lora = CheckpointMeta.read(checkpoint).job == "finetune_lora"
+    with tempfile.TemporaryDirectory(prefix="litft-chat-") as folder:
+        target = export(checkpoint, Path(folder) / "model", merge_lora=not lora)
+        model = _with_adapter(target, dtype) if lora else _from_pretrained(str(target), dtype)
+        return model, load_tokenizer(str(target)), f"checkpoint {checkpoint}" + (" (its adapter on its base)" if lora else "")
+
+
+class PieceWriter(TextStreamer):
+    """Hands each finished piece of an answer to ``write`` as generation makes it."""
+
+    def __init__(self, tokenizer, write: Callable[[str], None]):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.write = write
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if text:
+            self.write(text)
+
+
+class Conversation:
+    """A loaded model with its generation settings: renders turns as training did and answers them."""
+
+    def __init__(self, model: str, system: Optional[str], max_new_tokens: int, temperature: float, top_p: float, prompt_style: str, accelerator: str, seed: int):
+        if max_new_tokens < 1:
+            raise LitftError("--max_new_tokens must be at least 1")
+        if temperature < 0:
+            raise LitftError("--temperature must be 0 (greedy) or more")
+        if not 0 < top_p <= 1:
+            raise LitftError("--top_p must be in (0, 1]")
+        if system and prompt_style != "chat":
+            raise LitftError("--system needs --prompt_style chat (a chat template has a place for it)")
+        device = torch.device(resolve_accelerator(accelerator))
+        dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        self.model, self.tokenizer, self.loaded = load_for_chat(model, dtype)
+        self.model.to(device)
+        if prompt_style == "chat" and not getattr(self.tokenizer, "chat_template", None):
+            raise LitftError(f"{self.loaded} has no chat template; pass --prompt_style alpaca or plain, as the model was trained")
+        self.device, self.system, self.style = device, system, prompt_style
+        self.renderer = JSON(prompt_style=prompt_style)
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+        self.settings = dict(max_new_tokens=max_new_tokens, pad_token_id=self.tokenizer.pad_token_id, **sampling)
+        self.history: List[dict] = []
+        torch.manual_seed(seed)
+
+    def prompt_ids(self, user: str) -> List[int]:
+        """The conversation so far and the new turn, as the training data of this prompt style renders them."""
+        if self.style == "chat":
+            system = [{"role": "system", "content": self.system}] if self.system else []
+            turns = [*system, *self.history, {"role": "user", "content": user}, {"role": "assistant", "content": ANSWER_STAND_IN}]
+            record = {"messages": turns}
+        else:
+            record = {"instruction": user, "output": ANSWER_STAND_IN}
+        return self.renderer.prompted(self.tokenizer, record, "the prompt").prompt_ids
+
+    @torch.no_grad()
+    def answer(self, user: str, write: Callable[[str], None] = lambda text: None, remember: bool = False) -> str:
+        """The model's answer to ``user``, each piece handed to ``write`` as it is generated."""
+        ids = torch.tensor([self.prompt_ids(user)], device=self.device)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), streamer=PieceWriter(self.tokenizer, write),
+            eos_token_id=stop_tokens(self.model, self.tokenizer), **self.settings,
+        )
+        text = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        if remember and self.style == "chat":
+            self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
+        return text
+
+
+def _to_terminal(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def one_line(text: str) -> str:
+    """An answer on one line of output: line breaks written as Python escapes (\\n), backslashes doubled, so it reads back."""
+    text = text.replace("\\", "\\\\")
+    for breaks in LINE_BREAKS:
+        text = text.replace(breaks, breaks.encode("unicode_escape").decode())
+    return text
+
+
+def interactive(conversation: Conversation) -> None:
+    print(f"litft chat: {conversation.loaded} ({HELP})", flush=True)
+    while True:
+        try:
+            user = input(">> ")
+        except EOFError:
+            print()
+            return
+        command_word = user.strip()
+        if command_word in ("/exit", "/quit"):
+            return
+        if command_word == "/reset":
+            conversation.history.clear()
+            print("(a new conversation)")
+            continue
+        if not command_word:
+            continue
+        try:
+            conversation.answer(user, _to_terminal, remember=True)
+        except KeyboardInterrupt:
+            print(" (stopped)", end="")
+        print(flush=True)
+
+
+@command([TRAINED_MODEL, *GENERATION])
+def chat(**flags) -> None:
+    """Chat with a model in the terminal, tokens shown as they come; with stdin not a terminal, each of its lines is one prompt and gets one line of answer."""
+    conversation = Conversation(**flags)
+    if sys.stdin.isatty():
+        interactive(conversation)
+        return
+    for line in sys.stdin:  # independent prompts: answers do not depend on the lines before
+        print(one_line(conversation.answer(line.rstrip("\n"))), flush=True)
+
+
+@command([TRAINED_MODEL, PROMPT, *GENERATION])
+def generate(prompt: Optional[str], **flags) -> None:
+    """Answer one prompt, streamed to stdout."""
+    if prompt is None:
+        raise LitftError("litft generate needs --prompt TEXT (litft chat answers many)")
+    Conversation(**flags).answer(prompt, _to_terminal)
+    print(flush=True)

@@ -1,0 +1,128 @@
+"""Finding and loading a model: a local folder, litft-tiny or a hub id; its tokenizer and config; the weights (or a seeded
+init) for runs that load them whole; and the one-line refusal of an architecture litft cannot train as transformers
+computes it."""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from litft.errors import LitftError
+from litft.model.recurrent import STATE_LAYER_TYPES, check_recurrent
+from litft.model.tiny import TINY_MOE_NAME, TINY_NAME, ensure_tiny_model
+
+
+def resolve_model(name: str) -> str:
+    """A local directory for ``litft-tiny`` (``litft-tiny-moe``) or a path; hub ids pass through unchanged.
+
+    A string that names a filesystem location (it exists, starts with ``.``, ``/``
+    or ``~``, or has more than one ``/``) must exist; anything else is a hub id.
+    """
+    if name in (TINY_NAME, TINY_MOE_NAME):
+        return str(ensure_tiny_model(name))
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise LitftError(f"model directory {name} has no config.json; point the model argument at a Hugging Face model folder")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise LitftError(f"model path {name} does not exist; pass an existing folder or a Hugging Face hub id")
+    return name
+
+
+def _hub_error(name: str, err: Exception) -> LitftError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return LitftError(
+        f"could not load '{name}' ({first_line}); pass a local Hugging Face model folder, or check the hub id and network access"
+    )
+
+
+def load_tokenizer(source: str):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise _hub_error(source, err) from None
+    if tokenizer.pad_token_id is None:
+        # Padding never reaches the loss, so any existing token will do.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_config(source: str):
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise _hub_error(source, err) from None
+
+
+# The attention layers litft's padding-free attention computes as transformers does.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_architecture(config) -> None:
+    """One line, before any process starts, for a model litft cannot train as transformers computes it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    others = sorted(set(getattr(text, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES) - set(STATE_LAYER_TYPES))
+    if others:
+        raise LitftError(
+            f"litft cannot train {text.model_type} models yet: their {others[0]} layers are not computed by litft's padding-free "
+            "attention as transformers computes them (attention in chunks or over selected tokens); use transformers' Trainer for it"
+        )
+    check_recurrent(config)
+
+
+def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quantization_config=None, device=None):
+    """Weights from ``source``, or a seeded random init of its config for pretraining.
+
+    bitsandbytes quantizes while loading, so a quantized model is loaded straight
+    onto ``device``, the one it will train on.
+    """
+    if random_init:
+        config = load_config(source)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    kwargs = {"dtype": dtype}
+    if quantization_config is not None:
+        kwargs.update(quantization_config=quantization_config, device_map={"": device or torch.device("cpu")})
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _hub_error(source, err) from None
+    if quantization_config is not None:
+        keep_4bit_training_layout(model)
+    return model
+
+
+def keep_4bit_training_layout(model: torch.nn.Module) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
+
+    On CPUs with AVX512-BF16, bitsandbytes (0.49 and later) rewrites a Linear4bit's
+    weight the first time it runs in eval mode without gradients: another memory
+    layout, absmax rounded to bf16, the nested statistics dropped, and a kernel with
+    no backward. Training after the first validation then computed other losses and
+    lost the gradient through every frozen 4-bit layer. litft validates and trains
+    the same weights, so every 4-bit layer keeps the layout it was loaded in.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def keep_rotary_fp32(model: torch.nn.Module) -> int:
+    """Recompute rotary frequencies in fp32 wherever a low-precision cast reached them; the number of modules fixed.
+
+    ``--precision bf16-true`` casts the whole module, buffers included (Lightning's
+    ``HalfPrecision.convert_module``), and rotary frequencies rounded to bf16 put
+    every position past a few hundred visibly off (transformers#25681, #29496).
+    The rotary module is built again from its config, which computes them in fp32.
+    """
+    fixed = 0
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype == torch.float32 or not hasattr(module, "config"):
+            continue
+        fresh = type(module)(config=module.config)
+        for name, buffer in fresh.named_buffers(recurse=False):
+            if buffer.is_floating_point():
+                setattr(module, name, buffer.to(device=inv_freq.device, dtype=torch.float32))
+        fixed += 1
+    return fixed
