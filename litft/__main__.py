@@ -150,6 +150,16 @@ def data_option_error(message: str) -> Optional[str]:
     return f"--data {chosen} has no option {option}{hint}"
 
 
+def data_choice_error(message: str) -> Optional[str]:
+    """jsonargparse's union message for a ``--data NAME`` that names no data module, as the nearest choice (None otherwise)."""
+    match = re.search(r"^--data: .*Given value: ([\w.]+)", message)
+    if match is None or "Union subtypes" not in message:
+        return None
+    given, classes = match.group(1), sorted(data_classes())
+    near = difflib.get_close_matches(given.rpartition(".")[2], classes, n=1, cutoff=0.6)
+    return f"--data {given} is no data module; " + (f"did you mean --data {near[0]}?" if near else f"choose one of {', '.join(classes)}")
+
+
 class OneLineErrors(ArgumentParser):
     """jsonargparse's parser, reporting a bad flag in one line instead of the whole usage text, and taking no prefix of a
     flag for the flag (``--train.max_step`` is refused with the suggestion, not run as ``--train.max_steps``)."""
@@ -181,6 +191,7 @@ class OneLineErrors(ArgumentParser):
         text = "; ".join(line.strip() for line in text.splitlines() if line.strip()).replace(":;", ":")
         text = re.sub(r"Expected a typing\.Literal\[(.*)\]\. Got value:", r"expected one of \1, got", text)
         text = re.sub(r"Expected a <class '(\w+)'>\. Got value:", r"expected \1, got", text)
+        text = data_choice_error(text) or text
         prog = (getattr(ex, "subcommand_parser", None) or self).prog.replace(" [options]", "")
         print(f"litft: error: {text[:400]} (see {prog} --help)", file=sys.stderr)
         sys.exit(2)

@@ -121,13 +121,11 @@ class EvalArgs:
     max_new_tokens: int = 32
     """Longest answer generated when scoring."""
 
-    def check(self, instruction_data: bool) -> None:
+    def check(self) -> None:
         at_least(self.interval, 0, "--eval.interval")
         at_least(self.max_batches, 1, "--eval.max_batches", "for all of the validation data")
         at_least(self.score_samples, 0, "--eval.score_samples")
         at_least(self.max_new_tokens, 1, "--eval.max_new_tokens")
-        if self.score_samples and not instruction_data:
-            raise LitftError("--eval.score_samples needs instruction data (prompts with answers); set it to 0 for plain text")
 
 
 @dataclass

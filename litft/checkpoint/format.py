@@ -93,7 +93,7 @@ class CheckpointMeta:
     strategy: str
     zero_stage: Optional[int]
     model_fingerprint: Dict[str, object]
-    trained_shapes: Dict[str, List[int]]
+    trained_shapes: Optional[Dict[str, List[int]]]
     global_batch_size: int
     num_train_samples: int
     seed: int
@@ -129,7 +129,8 @@ class CheckpointMeta:
         return cls(**known, position={k: v for k, v in data.items() if k not in names})
 
     def check_fits(self, path: Path, current: "CheckpointMeta") -> None:
-        """One clear line when the checkpoint at ``path`` was made by another job, model, batch or format than ``current``."""
+        """One clear line when the checkpoint at ``path`` was made by another job, model, batch or format than ``current``
+        (its trained shapes too, once ``current`` has them)."""
         where = f"checkpoint {path}"
         if self.job != current.job:
             raise LitftError(f"{where} was written by {self.job}, not {current.job}; resume it with litft {self.job}")
@@ -139,7 +140,7 @@ class CheckpointMeta:
             theirs, ours = self.model_fingerprint, current.model_fingerprint
             diff = ", ".join(f"{k} {theirs.get(k)} there, {v} here" for k, v in ours.items() if theirs.get(k) != v)
             raise LitftError(f"{where} belongs to another model ({diff}); pass the model it was trained from ({self.model})")
-        if self.trained_shapes != current.trained_shapes:
+        if current.trained_shapes is not None and self.trained_shapes != current.trained_shapes:  # None: the model is not built yet
             theirs, ours = self.trained_shapes, current.trained_shapes
             differ = sorted(set(theirs) ^ set(ours)) or sorted(k for k in ours if ours[k] != theirs[k])
             raise LitftError(f"{where} trained other parameters than this run ({len(differ)} differ, e.g. {differ[0]}); use the LoRA flags of the run that wrote it")

@@ -31,7 +31,12 @@ class Checkpointer:
         self.run_config = run_config
         self.last_saved: Optional[int] = None
         self.last_path: Optional[Path] = None  # the newest finished checkpoint of this run
-        self.extras: Dict[str, object] = {}  # small files rank 0 writes into every checkpoint (a preference run's reference scores)
+        self.extras: Dict[str, object] = {}  # small files rank 0 writes into every checkpoint (``keep_file``)
+
+    def keep_file(self, name: str, value) -> None:
+        """A small file rank 0 writes into every checkpoint from now on: ``value`` itself (a preference run's reference scores),
+        or a callable giving it at each save (RL's rollouts of an unfinished cycle; None writes nothing)."""
+        self.extras[name] = value
 
     def save(self, position: dict) -> Path:
         """Every rank writes its part into ``.step-N.partial``; rank 0 then writes meta.json and renames it.
@@ -61,7 +66,9 @@ class Checkpointer:
             meta = replace(self.meta, position=dict(position), world_size=fabric.world_size, scheduler=self.scheduler.state_dict())
             (partial / RUN_CONFIG).write_text(yaml.safe_dump(self.run_config, sort_keys=False))
             for name, value in self.extras.items():
-                torch.save(value, partial / name)
+                value = value() if callable(value) else value
+                if value is not None:
+                    torch.save(value, partial / name)
             write_synced(partial / META, meta.to_json())
             if final.exists():  # the same step saved before (a resumed run ending where it started)
                 shutil.rmtree(final)

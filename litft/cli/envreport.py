@@ -15,11 +15,12 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from litft.model.attention import SEGMENTS, choose
+from litft.model.attention import SEGMENTS
 from litft.model.varlen import VARLEN, segments_path
 from litft.model.experts import CHOSEN, grouped_kernel
 from litft.model.recurrent import KERNEL_PACKAGES
 from litft.cli.selfcheck import Case, run_matrix, summary_line
+from litft.run.plan import Facts, choose_attention, installed_packages
 
 PACKAGES = ("litft", "torch", "lightning-fabric", "transformers", "peft", "bitsandbytes", "deepspeed", "liger-kernel", "flash-attn", "datasets", "accelerate")
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -64,7 +65,7 @@ def report_lines() -> List[str]:
     lines.append(f"varlen kernel {kernel}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for precision in PRECISIONS:
-        chosen = choose("auto", device, precision)
+        chosen = choose_attention(Facts(accelerator=device, precision=precision, installed=installed_packages()))
         if chosen == SEGMENTS:
             path, why = segments_path(device, precision)
             how = "varlen flash kernel" if path == "varlen" else "SDPA"

@@ -128,8 +128,9 @@ EXPORT = Flag(
 )
 OBJECTIVE = Flag(
     "objective", ObjectiveArgs, ObjectiveArgs(),
-    "What the step optimizes: sft (the response tokens' cross-entropy), or a preference objective on chosen/rejected pairs: dpo, ipo "
-    "(against a reference model), simpo, orpo (reference-free); --objective dpo --objective.beta 0.1. Preference data default: TinyPreferences.",
+    "sft, dpo, ipo, simpo, orpo or grpo: the response tokens' cross-entropy (sft), a preference loss on chosen/rejected pairs (dpo, ipo "
+    "against a reference; simpo, orpo reference-free; default data TinyPreferences), or RL from rewards on sampled completions (grpo; "
+    "default data TinyPrompts); --objective dpo --objective.beta 0.1.",
 )
 TRAIN = Flag("train", TrainArgs, TrainArgs(), "Batch, schedule and run length.")
 EVAL = Flag("eval", EvalArgs, EvalArgs(), "Validation cadence and scoring.")

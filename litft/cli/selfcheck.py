@@ -191,6 +191,14 @@ def run_case(case: Case, out_dir: Path, accelerator: str, world: int, rendezvous
         return result
     finally:
         result["seconds"] = round(time.perf_counter() - started, 1)
+    check_what_it_left(case, done, result)
+    return result
+
+
+def check_what_it_left(case: Case, done, result: dict) -> None:
+    """The attention path it took, the dtypes its checkpoint and frozen base hold, and its losses, against the case's."""
+    from litft.model import attention
+
     expected = case.expected()
     computed, received = attention.RECORD.computed(), attention.RECORD.received()
     result["attention"] = sorted({f"{path} {into} (got {got})" for path, got, into in attention.RECORD.seen})
@@ -210,7 +218,6 @@ def run_case(case: Case, out_dir: Path, accelerator: str, world: int, rendezvous
     if not all(map(_finite, result["losses"])) or not result["losses"]:
         result["problems"].append(f"losses {result['losses']}")
     result["passed"] = not result["problems"]
-    return result
 
 
 def _finite(value: float) -> bool:

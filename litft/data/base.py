@@ -171,3 +171,8 @@ def split_indices(count: int, val_fraction: float, seed: int) -> Tuple[List[int]
 def split_train_val(items: list, val_fraction: float, seed: int) -> Tuple[list, list]:
     train_idx, val_idx = split_indices(len(items), val_fraction, seed)
     return [items[i] for i in train_idx], [items[i] for i in val_idx]
+
+
+def json_problem(err) -> str:
+    """A JSON decoding error's message with where on its line it is (json's own ends "starting at" before the place)."""
+    return f"{err.msg} column {err.colno}" if err.msg.endswith(" at") else f"{err.msg} at column {err.colno}"

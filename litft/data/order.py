@@ -75,7 +75,7 @@ class StepBatches:
         indices = self.order.micro_batches(epoch, step)
         return collated([[self.samples[i] for i in idx] for idx in indices], self.pad_id, self.padding_free, self.pin, self.split)
 
-    def get(self, epoch: int, step: int):
+    def get(self, epoch: int, step: int, run_step: int = 0):
         """The micro-batches of this step of this epoch; the next step's are started at once."""
         if self.ahead is not None and self.ahead[0] == (epoch, step):
             made = self.ahead[1].result()

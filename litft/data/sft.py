@@ -7,7 +7,7 @@ from typing import List, Literal, Optional, Tuple
 
 import torch
 
-from litft.data.base import DataModule, PreparedData, Prompted, split_train_val
+from litft.data.base import json_problem, DataModule, PreparedData, Prompted, split_train_val
 
 from litft.data.samples import IGNORE_INDEX, Sample
 from litft.errors import LitftError
@@ -35,7 +35,7 @@ def read_records(path: Path) -> List[dict]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as err:
-                raise LitftError(f"{path}:{number} is not valid JSON ({err.msg}); fix that line") from None
+                raise LitftError(f"{path}:{number} is not valid JSON ({json_problem(err)}); fix that line") from None
         return records
     try:
         records = json.loads(text)

@@ -97,7 +97,7 @@ class StreamBatches:
             raise LitftError(f"the training stream holds fewer records than one global batch ({self.global_batch_size}); lower --train.global_batch_size")
         return epoch + 1, 0
 
-    def get(self, epoch: int, step: int) -> List[dict]:
+    def get(self, epoch: int, step: int, run_step: int = 0) -> List[dict]:
         micro = self.ahead(epoch, step).result()
         self.made = {key: future for key, future in self.made.items() if key >= (epoch, step)}
         self.ahead(epoch, step + 1)

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import torch
 
-from litft.data.base import DataModule, PreparedData, split_train_val
+from litft.data.base import json_problem, DataModule, PreparedData, split_train_val
 
 from litft.data.samples import Sample
 from litft.errors import LitftError
@@ -33,7 +33,7 @@ def read_documents(path: Path) -> List[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise LitftError(f"{path}:{number} is not valid JSON ({err.msg}); fix that line") from None
+            raise LitftError(f"{path}:{number} is not valid JSON ({json_problem(err)}); fix that line") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise LitftError(f"{path}:{number} has no string field 'text'; each line must be {{\"text\": ...}}")
         documents.append(record["text"])

@@ -1,11 +1,12 @@
 """The estimate itself: the job's model and checks, the strategy's layout, the traced activations, and the table."""
 
+import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from litft.run.build import build_model
-from litft.config import Layout, LoraArgs, TrainArgs
+from litft.config import DEFAULT_GLOBAL_BATCH_SIZE, Layout, LoraArgs, TrainArgs
 from litft.objectives.args import ObjectiveArgs
 from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
@@ -13,16 +14,16 @@ from litft.estimate.inventory import model_tensors
 from litft.estimate.states import memory_layout
 from litft.estimate.trace import trace_activations
 from litft.model.flops import expert_count, experts_per_token, flops_per_token
-from litft.model.recurrent import carries_state
+from litft.model.recurrent import carries_state, text_config
+from litft.run.plan import DATA_KINDS, Facts, refuse, split_refusal
 from litft.run.logs import quiet_libraries
 from litft.estimate.memory import GiB, Row
 from litft.model.loading import check_architecture, load_config, resolve_model
 from litft.objectives import build_objective
 from litft.parallel.mesh import layout_data_world
-from litft.parallel.context import check_context_parallel
-from litft.parallel.expert import check_expert_parallel, is_expert_tensor
+from litft.parallel.expert import is_expert_tensor
 from litft.parallel.strategies import checked_strategy_class
-from litft.parallel.tensor import block_plan, check_tensor_parallel, one_rank_of
+from litft.parallel.tensor import block_plan, one_rank_of
 
 # Memory as torch.cuda reports total_memory, in GiB (a little under the marketed size).
 GPUS = {
@@ -51,7 +52,7 @@ def device_memory(gpu: str, memory_gb: Optional[float]) -> Tuple[str, float]:
 
 def checked_run(flags: dict, precision: str):
     """The job's flag groups, checked with the jobs' own checks: the layout, its strategy, LoRA and a one-step train."""
-    if flags["seq_len"] < 1:
+    if flags["seq_len"] is not None and flags["seq_len"] < 1:
         raise LitftError("--seq_len must be at least 1")
     if not 0 <= flags["headroom"] < 1:
         raise LitftError(f"--headroom is a share of device memory between 0 and 1, got {flags['headroom']}")
@@ -66,16 +67,25 @@ def checked_run(flags: dict, precision: str):
     # Accumulation does not change memory: one micro-batch per rank and step stands for any global batch.
     one_step = replace(train, global_batch_size=max(train.micro_batch_size, 1) * max(layout_data_world(layout), 1))
     one_step.check(max(layout_data_world(layout), 1))
-    strategy = checked_strategy_class(layout, "cuda", precision)
+    strategy = checked_strategy_class(layout, flags.get("accelerator", "cuda"), precision)
     return layout, lora, one_step, strategy
 
 
 def objective_of(flags: dict) -> ObjectiveArgs:
     objective = ObjectiveArgs.of(flags.get("objective"))
-    if objective.preference and flags["job"] == "pretrain":
-        raise LitftError(f"--objective {objective.name} fine-tunes on preference pairs; use --job finetune_lora or finetune_full")
-    objective.check(lora=flags["job"] == "finetune_lora")
+    objective.check()
     return objective
+
+
+def refuse_combinations(flags: dict, precision: str, layout, strategy, objective: ObjectiveArgs, config) -> None:
+    """The run plan's refusals that the estimate can judge (litft.run.plan): the objective with the job, the splits with
+    the model; the data and the machine it does not see."""
+    lora = flags["job"] == "finetune_lora"
+    refuse(Facts(job=flags["job"], accelerator=flags.get("accelerator", "cuda"), precision=precision, strategy=strategy.name, strategy_compiles=strategy.compiles,
+                 context=layout.context_parallel, tensor=layout.tensor_parallel, expert=layout.expert_parallel, lora=lora,
+                 quantize=flags["quantize"] if lora else None, objective=objective.name, beta=objective.effective_beta,
+                 precompute_reference=objective.precompute_reference, data_kind=DATA_KINDS[objective.name][-1],
+                 model_type=text_config(config).model_type, split_refusal=split_refusal(config, layout, flags["quantize"])))
 
 
 def experts_facts(config, tensors, size: int, tokens: int, itemsize: int, seq_len: int) -> Optional[dict]:
@@ -99,30 +109,76 @@ def experts_facts(config, tensors, size: int, tokens: int, itemsize: int, seq_le
 
 def plan_memory(flags: dict) -> dict:
     """Everything ``litft estimate`` prints, as a dict of bytes."""
-    gpu_name, capacity = device_memory(flags["gpu"], flags["device_memory_gb"])
-    precision = flags["precision"] or ("16-mixed" if gpu_name.upper().startswith(NO_BF16) else "bf16-mixed")
-    layout, lora, train, strategy = checked_run(flags, precision)
+    on_cpu = flags.get("accelerator", "cuda") == "cpu"
+    gpu_name, capacity = host_memory(flags["device_memory_gb"]) if on_cpu else device_memory(flags["gpu"], flags["device_memory_gb"])
+    precision = flags["precision"] or ("32-true" if on_cpu else "16-mixed" if gpu_name.upper().startswith(NO_BF16) else "bf16-mixed")
     objective = objective_of(flags)
+    flags = {**flags, "seq_len": flags.get("seq_len") or (GRPO_PROMPT if objective.rl else 2048)}
+    layout, lora, train, strategy = checked_run(flags, precision)
     quiet_libraries()
     source = flags["model"]
     if source.endswith(".json") and Path(source).is_file():
         source = str(Path(source).parent)
     config = load_config(resolve_model(source))
     check_architecture(config)
-    check_context_parallel(config, layout.context_parallel)
-    check_tensor_parallel(config, layout.tensor_parallel, flags["quantize"])
-    check_expert_parallel(config, layout.expert_parallel)
+    refuse_combinations(flags, precision, layout, strategy, objective, config)
     if flags["attention"] is not None:
         config._attn_implementation = flags["attention"]
+    built = build_objective(objective, lora is not None)
     frozen_dtype = strategy.frozen_base_dtype(precision)
     tensors = model_tensors(build_model(config, precision, lora, False, frozen_dtype=frozen_dtype), flags["quantize"])
     states = memory_layout(strategy, tensors, layout, precision, train, hidden_size=config.hidden_size, planned=block_plan(config))
-    facts = strategy.facts(layout, precision)
-
-    params_dtype, autocast = strategy.compute_view(layout, precision)
     # A context group splits every row: a rank holds its slice's activations, and around attention whole rows of
     # heads / N heads, the same size.
-    tokens_per_rank = -(-flags["seq_len"] // layout.context_parallel)
+    row_len = flags["seq_len"] + (objective.max_new_tokens if objective.rl else 0)  # RL trains on each prompt and its completion
+    tokens_per_rank = -(-row_len // layout.context_parallel)
+    traced = trace_both(config, strategy, layout, precision, lora, train, tokens_per_rank, frozen_dtype, objective)
+    itemsize = element_size(compute_dtype(precision))
+    experts = experts_facts(config, tensors, layout.expert_parallel, train.micro_batch_size * tokens_per_rank * built.rows_per_sample,
+                            itemsize, flags["seq_len"])
+    buffers = buffers_of(states, tensors, flags["quantize"], itemsize, experts if layout.expert_parallel > 1 else None)
+    # RL samples between steps, while the step's activations are freed: counted as max(sampling, activations).
+    generation = built.generation_bytes(config, flags["seq_len"], itemsize, prompts_per_call(flags, objective, layout))
+    report = {
+        "model": flags["model"], "job": flags["job"], **strategy.facts(layout, precision), "world_size": layout.world_size,
+        "precision": precision, "quantize": flags["quantize"], "micro_batch_size": train.micro_batch_size, "objective": objective.name,
+        "reference": built.describe() or "", "seq_len": flags["seq_len"], "context_parallel": layout.context_parallel,
+        "tensor_parallel": layout.tensor_parallel, "expert_parallel": layout.expert_parallel, "experts": experts,
+        "gradient_checkpointing": train.gradient_checkpointing, "attention": config._attn_implementation,
+        "parameters": {"total": sum(t.numel for t in tensors), "trained": sum(t.numel for t in tensors if t.trainable),
+                       "quantized": sum(t.numel for t in tensors if t.quantized)},
+        "quant_state_bytes": sum(t.quant_state for t in tensors),
+    }
+    report.update(accelerator="cpu" if on_cpu else "cuda", prompts_per_call=prompts_per_call(flags, objective, layout), row_len=row_len)
+    return {**report, **totals(states, buffers, traced, train.gradient_checkpointing, generation, layout, gpu_name, capacity, flags["headroom"],
+                               context=0 if on_cpu else CUDA_CONTEXT + (NCCL_BUFFERS if layout.world_size > 1 else 0))}
+
+
+GRPO_PROMPT = 512  # tokens of a prompt where --seq_len is left out under grpo (GSM8K's chat prompts are about 150)
+
+
+def prompts_per_call(flags: dict, objective: ObjectiveArgs, layout) -> int:
+    """Prompts whose groups one generate call samples together: --objective.generation_batch, or the run's default."""
+    if not objective.rl:
+        return 1
+    if objective.generation_batch is not None:
+        return objective.generation_batch
+    train = flags["train"]
+    data_world = max(layout_data_world(layout), 1)
+    per_rank = max((train.global_batch_size or DEFAULT_GLOBAL_BATCH_SIZE) // data_world, 1)
+    return next(n for n in (16, 8, 4, 2, 1) if per_rank % n == 0)
+
+
+def host_memory(memory_gb: Optional[float]) -> Tuple[str, float]:
+    """A CPU run's memory: the machine's, or --device_memory_gb."""
+    if memory_gb is not None:
+        return device_memory("", memory_gb)
+    return "CPU (host memory)", float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def trace_both(config, strategy, layout, precision: str, lora, train, tokens_per_rank: int, frozen_dtype, objective) -> dict:
+    """The activations of one micro-batch on one rank, traced with activation checkpointing on and off."""
+    params_dtype, autocast = strategy.compute_view(layout, precision)
     traced = {}
     for checkpointing in (train.gradient_checkpointing, not train.gradient_checkpointing):
         build = {"precision": precision, "lora": lora, "gradient_checkpointing": checkpointing, "frozen_dtype": frozen_dtype}
@@ -130,74 +186,47 @@ def plan_memory(flags: dict) -> dict:
             one_rank_of(config, layout.tensor_parallel), build, params_dtype, autocast, train.micro_batch_size, tokens_per_rank,
             objective=objective,
         )
-    acts = traced[train.gradient_checkpointing]
-    buffers = list(states.buffers)
-    if flags["quantize"] is not None:
-        biggest = max((t.numel for t in tensors if t.quantized), default=0)
-        buffers.append(("bnb dequantized weight", Row(biggest * element_size(compute_dtype(precision)), note="the largest 4-bit layer, during its matmul")))
-    experts = experts_facts(config, tensors, layout.expert_parallel, train.micro_batch_size * tokens_per_rank * build_objective(objective, lora is not None).rows_per_sample,
-                            element_size(compute_dtype(precision)), flags["seq_len"])
-    if experts and layout.expert_parallel > 1:
-        buffers.append(("expert dispatch (all-to-all)", Row(experts["dispatch_bytes"], note="one MoE layer's (token, expert) rows, sent and received")))
-    context = CUDA_CONTEXT + (NCCL_BUFFERS if layout.world_size > 1 else 0)
-    # RL samples between steps, while the step's activations are freed: counted as max(sampling, activations).
-    generation = build_objective(objective, lora is not None).generation_bytes(config, flags["seq_len"], element_size(compute_dtype(precision)))
+    return traced
 
+
+def buffers_of(states, tensors, quantize: Optional[str], itemsize: int, experts: Optional[dict]) -> list:
+    """What a rank holds beside the states and activations: the strategy's buffers, a 4-bit layer dequantized, the dispatch."""
+    buffers = list(states.buffers)
+    if quantize is not None:
+        biggest = max((t.numel for t in tensors if t.quantized), default=0)
+        buffers.append(("bnb dequantized weight", Row(biggest * itemsize, note="the largest 4-bit layer, during its matmul")))
+    if experts:
+        buffers.append(("expert dispatch (all-to-all)", Row(experts["dispatch_bytes"], note="one MoE layer's (token, expert) rows, sent and received")))
+    return buffers
+
+
+def totals(states, buffers, traced: dict, checkpointing: bool, generation: int, layout, gpu_name: str, capacity: float, headroom: float,
+           context: int) -> dict:
+    """Each rank's rows and what they add up to, against the device's usable memory (``context``: CUDA's and NCCL's own)."""
+    acts, other = traced[checkpointing], traced[not checkpointing]
     gpu_fixed = states.params.gpu + states.grads.gpu + states.optimizer.gpu + context
     gpu_buffers = sum(row.gpu for _, row in buffers)
     gpu_total = gpu_fixed + max(acts.peak + gpu_buffers, states.step.gpu, generation + gpu_buffers)
-    other = traced[not train.gradient_checkpointing]
     gpu_total_other = gpu_fixed + max(other.peak + gpu_buffers, states.step.gpu, generation + gpu_buffers)
     cpu_total = states.params.cpu + states.grads.cpu + states.optimizer.cpu + sum(row.cpu for _, row in buffers) + states.step.cpu
-    usable = capacity * (1 - flags["headroom"])
+    usable = capacity * (1 - headroom)
 
     def row(r: Row) -> dict:
         return {"gpu": int(r.gpu), "cpu": int(r.cpu), "note": r.note}
 
     return {
-        "model": flags["model"],
-        "job": flags["job"],
-        **facts,
-        "world_size": layout.world_size,
-        "precision": precision,
-        "quantize": flags["quantize"],
-        "micro_batch_size": train.micro_batch_size,
-        "objective": objective.name,
-        "reference": build_objective(objective, lora is not None).describe() or "",
-        "seq_len": flags["seq_len"],
-        "context_parallel": layout.context_parallel,
-        "tensor_parallel": layout.tensor_parallel,
-        "expert_parallel": layout.expert_parallel,
-        "experts": experts,
-        "gradient_checkpointing": train.gradient_checkpointing,
-        "attention": config._attn_implementation,
-        "parameters": {
-            "total": sum(t.numel for t in tensors), "trained": sum(t.numel for t in tensors if t.trainable),
-            "quantized": sum(t.numel for t in tensors if t.quantized),
-        },
         "per_rank": {
-            "params": row(states.params),
-            "grads": row(states.grads),
-            "optimizer": row(states.optimizer),
-            "activations": {"gpu": acts.peak, "cpu": 0, "note": ""},
-            "buffers": {name: row(r) for name, r in buffers},
-            "cuda_context": {"gpu": int(context), "cpu": 0, "note": "CUDA context" + (" + NCCL" if layout.world_size > 1 else "")},
-            "optimizer_step": row(states.step),
-            "generation": {"gpu": int(generation), "cpu": 0, "note": ""},
+            "params": row(states.params), "grads": row(states.grads), "optimizer": row(states.optimizer),
+            "activations": {"gpu": acts.peak, "cpu": 0, "note": ""}, "buffers": {name: row(r) for name, r in buffers},
+            "cuda_context": {"gpu": int(context), "cpu": 0, "note": "CUDA context" + (" + NCCL" if layout.world_size > 1 and context else "")},
+            "optimizer_step": row(states.step), "generation": {"gpu": int(generation), "cpu": 0, "note": ""},
         },
-        "quant_state_bytes": sum(t.quant_state for t in tensors),
-        "activations": {
-            "peak": acts.peak,
-            "saved": acts.saved,
-            "per_layer": acts.per_layer,
-            "outside_layers": acts.outside_layers,
-            "with_checkpointing": traced[True].peak,
-            "without_checkpointing": traced[False].peak,
-        },
+        "activations": {"peak": acts.peak, "saved": acts.saved, "per_layer": acts.per_layer, "outside_layers": acts.outside_layers,
+                        "with_checkpointing": traced[True].peak, "without_checkpointing": traced[False].peak},
         "total": {"gpu": int(gpu_total), "cpu": int(cpu_total)},
         # The same run with activation checkpointing switched the other way.
-        "total_other_checkpointing": {"gradient_checkpointing": not train.gradient_checkpointing, "gpu": int(gpu_total_other)},
-        "device": {"name": gpu_name, "memory": int(capacity), "usable": int(usable), "headroom": flags["headroom"]},
+        "total_other_checkpointing": {"gradient_checkpointing": not checkpointing, "gpu": int(gpu_total_other)},
+        "device": {"name": gpu_name, "memory": int(capacity), "usable": int(usable), "headroom": headroom},
         "fits": gpu_total <= usable,
     }
 
@@ -215,7 +244,13 @@ def _count(n: int) -> str:
 
 def render(plan: dict) -> str:
     """The estimate as a table, in GiB per rank."""
-    rank = plan["per_rank"]
+    device = "GPU" if plan.get("accelerator", "cuda") == "cuda" else "device"
+    lines = heading(plan) + ["", f"{'per rank (the fullest), GiB':<34}{device:>8}  {'CPU':>8}"]
+    return "\n".join(lines + rows(plan))
+
+
+def heading(plan: dict) -> List[str]:
+    """What is estimated: the model, job, layout, batch and what the objective adds."""
     p = plan["parameters"]
     what = {"finetune_lora": "LoRA", "finetune_full": "full finetune", "pretrain": "pretrain"}[plan["job"]]
     if plan["quantize"]:
@@ -224,11 +259,10 @@ def render(plan: dict) -> str:
     if plan["shard_group"] is not None:
         one_group = plan["strategy"].endswith("HYBRID_SHARD") and plan["shard_group"] == plan["world_size"]
         layout += f" (one shard group of {plan['shard_group']}: FULL_SHARD)" if one_group else f" (shard group {plan['shard_group']})"
-    acts = plan["activations"]
     lines = [
         f"litft estimate: {plan['model']}, {what}, {layout}, world size {plan['world_size']}, {plan['precision']}",
         f"{_count(p['total'])} parameters, {_count(p['trained'])} trained; "
-        f"micro batch {plan['micro_batch_size']} x {plan['seq_len']} tokens"
+        f"micro batch {plan['micro_batch_size']} x {plan.get('row_len', plan['seq_len'])} tokens"
         + (f" split over {plan['context_parallel']} ranks (context parallel)" if plan["context_parallel"] > 1 else "")
         + (f", blocks split over {plan['tensor_parallel']} ranks (tensor parallel)" if plan["tensor_parallel"] > 1 else "") + ", "
         f"activation checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, {plan['attention']} attention",
@@ -239,11 +273,16 @@ def render(plan: dict) -> str:
            for e in [plan.get("experts")] if e]),
         *([f"objective {plan['objective']}: {plan['micro_batch_size']} pairs per micro-batch (two sequences each); reference: {plan['reference']}"]
           if plan.get("objective", "sft") not in ("sft", "grpo") else []),
-        *([f"objective grpo: {plan['micro_batch_size']} completions per micro-batch, each prompt plus completion up to {plan['seq_len']} "
-           f"tokens; sampling one prompt's group at a time; KL reference: {plan['reference']}"] if plan.get("objective") == "grpo" else []),
-        "",
-        f"{'per rank (the fullest), GiB':<34}{'GPU':>8}  {'CPU':>8}",
+        *([f"objective grpo: {plan['micro_batch_size']} completions per micro-batch, each a prompt of up to {plan['seq_len']} tokens and "
+           f"its completion; sampling {plan['prompts_per_call']} prompts' groups per generate call; KL reference: {plan['reference']}"]
+          if plan.get("objective") == "grpo" else []),
     ]
+    return lines
+
+
+def rows(plan: dict) -> List[str]:
+    """The table's rows, its total, and whether it fits."""
+    rank, acts, lines = plan["per_rank"], plan["activations"], []
 
     def line(label: str, item: dict, note: str = "") -> None:
         note = note or item.get("note", "")
@@ -260,12 +299,14 @@ def render(plan: dict) -> str:
     )
     for name, item in rank["buffers"].items():
         line(name, item)
-    line("CUDA context", rank["cuda_context"])
+    if rank["cuda_context"]["gpu"]:
+        line("CUDA context", rank["cuda_context"])
     step = rank["optimizer_step"]
     if step["gpu"] or step["cpu"]:
         line("optimizer step (temporary)", step, "while activations are freed: counted as max(step, activations + buffers)")
     if rank.get("generation", {}).get("gpu"):
-        line("sampling (between steps)", rank["generation"], "a group's KV cache and logits, while activations are freed: counted as their max")
+        line("sampling (between steps)", rank["generation"], "a generate call's KV cache and sampler rows, while activations are freed: "
+             "counted as their max")
     total = plan["total"]
     lines.append("-" * 54)
     lines.append(f"{'peak':<34}{_gib(total['gpu'])}  {_gib(total['cpu'])}")
@@ -281,7 +322,7 @@ def render(plan: dict) -> str:
         fits = "fits" if other["gpu"] <= device["usable"] else "still does not fit"
         flag = str(other["gradient_checkpointing"]).lower()
         lines.append(f"with --train.gradient_checkpointing {flag}: {other['gpu'] / GiB:.2f} GiB, {fits}")
-    return "\n".join(lines)
+    return lines
 
 
 # ---------------------------------------------------------------- measuring a real step, to check the estimate

@@ -12,8 +12,6 @@ from the position ids by itself. Which one a run uses is chosen once
 """
 
 import contextlib
-import importlib
-import importlib.util
 import sys
 import threading
 from typing import Callable, Optional
@@ -229,6 +227,13 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
         return out.reshape(batch, width, heads, dim), None
     # A window the kernel cannot take goes to SDPA with a windowed mask, a sample at a time (the gathered call is causal only).
     RECORD.note("sdpa" if window is None else "windowed sdpa", received, dtype)
+    return _sdpa_in_samples(query, key, value, cu, bounds, longest, window, dropout, scaling, gqa), None
+
+
+def _sdpa_in_samples(query, key, value, cu, bounds, longest: int, window: Optional[int], dropout: float, scaling, gqa: bool):
+    """SDPA on the samples of packed rows: one causal call on samples gathered into rows where their lengths are close, else
+    a call per sample (with a windowed mask where the layer has a window)."""
+    batch, heads, width, dim = query.shape
     cu = cu.to(query.device, torch.long)
     lengths = torch.diff(cu)
     tokens = batch * width
@@ -258,7 +263,7 @@ def _attend_in_samples(module, query, key, value, attention_mask, dropout: float
                 q[None, :, 0, start:end], k[None, :, 0, start:end], v[None, :, 0, start:end],
                 attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa,
             )[0][:, None]
-    return out.reshape(heads, batch, width, dim).permute(1, 2, 0, 3).contiguous(), None
+    return out.reshape(heads, batch, width, dim).permute(1, 2, 0, 3).contiguous()
 
 
 def segments_mask(*args, attention_mask=None, **kwargs):
@@ -293,29 +298,6 @@ def packed_rows_known():
         yield
     finally:
         _PACKED.known = previous
-
-
-def choose(requested: str, accelerator: str, precision: str = "bf16-mixed", context_parallel: int = 1) -> str:
-    """The attention implementation a run uses: the user's, or the fastest here that keeps packed samples apart."""
-    if requested not in CHOICES:
-        raise LitftError(f"--attn_implementation {requested} is unknown; choose one of {', '.join(CHOICES)}")
-    if context_parallel > 1:
-        if requested not in ("auto", SEGMENTS):
-            raise LitftError(
-                f"--context_parallel exchanges heads around {SEGMENTS}'s attention (its varlen kernel on a GPU); "
-                f"use --attn_implementation auto or {SEGMENTS}, not {requested}"
-            )
-        return SEGMENTS
-    flash_attn = importlib.util.find_spec("flash_attn") is not None
-    if requested == "flash_attention_2" and not flash_attn:
-        raise LitftError("--attn_implementation flash_attention_2 needs the flash-attn package (pip install flash-attn); use auto")
-    if requested == "flash_attention_2" and precision.startswith("32"):
-        raise LitftError("--attn_implementation flash_attention_2 takes fp16/bf16 only; use --precision bf16-mixed or --attn_implementation auto")
-    if requested != "auto":
-        return requested
-    if accelerator == "cuda" and flash_attn and not precision.startswith("32"):
-        return "flash_attention_2"
-    return SEGMENTS
 
 
 def describe(implementation: str, device_type: str, precision: str) -> str:

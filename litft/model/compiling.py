@@ -52,32 +52,14 @@ def requested_mode(value) -> str:
     return mode
 
 
-def choose(
-    requested, accelerator: str, strategy_compiles: bool, strategy_name: str, *, quantize: Optional[str] = None,
-    context_parallel: int = 1, tensor_parallel: int = 1, expert_parallel: int = 1, generates: bool = False, fp8: Optional[str] = None,
-) -> CompileChoice:
-    """What ``--compile`` means for this run: an explicit ``true`` that cannot work is refused in one line; ``auto`` falls back."""
+def choose(requested, accelerator: str, blocked_by: Optional[str], fp8: Optional[str] = None) -> CompileChoice:
+    """What ``--compile`` means for this run (``blocked_by``: what keeps compile from working here, from the run plan's
+    table, which refuses an explicit ``true`` with it in one line; ``auto`` falls back)."""
     mode = requested_mode(requested)
     if mode == "false":
         return CompileChoice(False, "--compile false")
-    blockers = []
-    if not strategy_compiles:
-        blockers.append((f"{strategy_name} (ZeRO's parameter hooks inside compiled blocks are untested)", "use --strategy fsdp or ddp"))
-    if quantize is not None:
-        blockers.append((f"--quantize {quantize} (bitsandbytes' 4-bit matmul breaks the graph in every layer)", "drop --quantize"))
-    if context_parallel > 1:
-        blockers.append(("--context_parallel (its all-to-all inside each block)", "drop --context_parallel"))
-    if tensor_parallel > 1:
-        blockers.append(("--tensor_parallel (DTensor blocks are untested compiled)", "drop --tensor_parallel"))
-    if generates:
-        blockers.append(("--objective grpo (its rollouts' generation calls the blocks at a new length every token)", "drop --compile"))
-    if expert_parallel > 1:
-        blockers.append(("--expert_parallel (the dispatch reads its split sizes on the host)", "drop --expert_parallel"))
-    if blockers:
-        what, fix = blockers[0]
-        if mode == "true":
-            raise LitftError(f"--compile true is not supported with {what}; {fix} or pass --compile false")
-        return CompileChoice(False, f"auto: not with {what.split(' (')[0]}")
+    if blocked_by is not None:
+        return CompileChoice(False, f"auto: not with {blocked_by.split(' (')[0]}")
     if mode == "true":
         return CompileChoice(True, "--compile true: one compiled code per kind of block")
     if accelerator != "cuda":

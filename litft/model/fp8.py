@@ -13,7 +13,6 @@ Which Linear layers convert is torchao's own rule: dimensions divisible by 16 an
 large enough for FP8 to pay; never the output head, whose logits feed the loss.
 """
 
-import importlib.util
 import os
 from typing import List, Optional
 
@@ -30,31 +29,10 @@ def emulated() -> bool:
     return os.environ.get(EMULATE_VARIABLE) == "1"
 
 
-def check(
-    recipe: Optional[str], accelerator: str, precision: str, *, quantize: Optional[str], strategy_name: str, tensor_parallel: int = 1,
-) -> None:
-    """Refuse, in one line, an FP8 run this machine or these flags cannot do."""
-    if recipe is None:
-        return
-    if recipe not in RECIPES:
+def check_recipe(recipe: Optional[str]) -> None:
+    """``--fp8``'s own value (what it combines with is refused by the run plan's table)."""
+    if recipe is not None and recipe not in RECIPES:
         raise LitftError(f"--fp8 {recipe} is unknown; choose tensorwise or rowwise")
-    if importlib.util.find_spec("torchao") is None:
-        raise LitftError("--fp8 needs torchao: pip install 'litft[fp8]'")
-    if not precision.startswith("bf16"):
-        raise LitftError(f"--fp8 casts bf16 matmuls to FP8; use --precision bf16-true or bf16-mixed, not {precision}")
-    if quantize is not None:
-        raise LitftError(f"--fp8 cannot run the frozen base's matmuls in FP8 when it is stored in 4 bits (--quantize {quantize}); drop one")
-    if strategy_name == "DeepSpeed":
-        raise LitftError("--fp8 is not supported under DeepSpeed (ZeRO's partitioned weights and torchao's float8 layers are untested together); use --strategy fsdp or ddp")
-    if tensor_parallel > 1:
-        raise LitftError("--fp8 with --tensor_parallel is not supported yet (torchao's float8 tensor-parallel styles are not wired in); drop one")
-    if emulated():
-        return
-    if accelerator != "cuda":
-        raise LitftError("--fp8 needs a GPU with FP8 matmuls (compute capability 8.9 or later: Ada, Hopper, Blackwell); this run is on the CPU")
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
-        raise LitftError(f"--fp8 needs compute capability 8.9 or later (Ada, Hopper, Blackwell); this GPU has {major}.{minor}")
 
 
 def recipe_config(recipe: str, fsdp_all_gather: bool):

@@ -1,23 +1,9 @@
-"""Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU) in place of the model's own: ``--kernels``."""
+"""Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU) in place of the model's own: ``--kernels``.
 
-import importlib.util
-
-from litft.errors import LitftError
-
-
-def choose_kernels(requested: str, accelerator: str) -> bool:
-    """Whether Liger's fused Triton kernels (RMSNorm, RoPE, SwiGLU) replace the model's own: ``--kernels``.
-
-    ``auto`` takes them on a GPU where liger-kernel is installed, compiled blocks too: on one H200 (Llama-3.2-1B
-    shape, bf16-true, 10a465b) compiled blocks ran 57,150 tok/s with them and 53,361 with inductor's own fusions
-    instead, and FP8 36,122 without them against 57,601 with them (cc1229b).
-    """
-    installed = importlib.util.find_spec("liger_kernel") is not None
-    if requested == "liger" and not installed:
-        raise LitftError("--kernels liger needs liger-kernel: pip install 'litft[kernels]' (or drop --kernels)")
-    if requested == "liger" and accelerator != "cuda":
-        raise LitftError("--kernels liger runs Triton kernels on a GPU; on the CPU use --kernels none")
-    return requested == "liger" or (requested == "auto" and installed and accelerator == "cuda")
+``auto`` takes them on a GPU where liger-kernel is installed (litft.run.plan), compiled blocks too: on one H200
+(Llama-3.2-1B shape, bf16-true, 10a465b) compiled blocks ran 57,150 tok/s with them and 53,361 with inductor's own
+fusions instead, and FP8 36,122 without them against 57,601 with them (cc1229b).
+"""
 
 
 def describe_kernels(requested: str, liger: bool) -> str:

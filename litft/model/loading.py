@@ -2,7 +2,9 @@
 init) for runs that load them whole; and the one-line refusal of an architecture litft cannot train as transformers
 computes it."""
 
+import re
 from pathlib import Path
+from typing import Dict, List, Optional
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -10,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from litft.errors import LitftError
 from litft.model.recurrent import STATE_LAYER_TYPES, check_recurrent
 from litft.model.tiny import TINY_MOE_NAME, TINY_NAME, ensure_tiny_model
+from litft.model.weights import skeleton, transformer_blocks
 
 
 def resolve_model(name: str) -> str:
@@ -60,15 +63,49 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def check_architecture(config) -> None:
-    """One line, before any process starts, for a model litft cannot train as transformers computes it."""
+    """One line, before any process starts, for a model litft cannot train as transformers computes it.
+
+    A layer type litft has not listed is judged by what its layers are: a layer that mixes no tokens (an MLP, experts)
+    computes each token alone, whatever the rows look like, and trains; one that mixes them some other way (attention in
+    chunks or over selected tokens) is refused, naming its module.
+    """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    others = sorted(set(getattr(text, "layer_types", None) or []) - set(ATTENTION_LAYER_TYPES) - set(STATE_LAYER_TYPES))
+    types = list(getattr(text, "layer_types", None) or [])
+    others = sorted(set(types) - set(ATTENTION_LAYER_TYPES) - set(STATE_LAYER_TYPES))
     if others:
-        raise LitftError(
-            f"litft cannot train {text.model_type} models yet: their {others[0]} layers are not computed by litft's padding-free "
-            "attention as transformers computes them (attention in chunks or over selected tokens); use transformers' Trainer for it"
-        )
+        mixers = token_mixers(config, types, others)
+        for kind in others:
+            if mixers.get(kind, "unknown") is not None:
+                how = f" ({mixers[kind]})" if mixers.get(kind, "unknown") != "unknown" else ""
+                raise LitftError(
+                    f"litft cannot train {text.model_type} models yet: their {kind} layers mix tokens{how} in a way litft's padding-free "
+                    "attention does not compute as transformers does (attention in chunks or over selected tokens); use transformers' "
+                    "Trainer for it"
+                )
     check_recurrent(config)
+
+
+# Modules that mix the tokens of a sequence: attention (transformers' attention modules say whether they are causal), a
+# convolution along the sequence, or a recurrence.
+MIXING_NAMES = re.compile(r"Attention|Mamba|Mixer|DeltaNet|Recurren|Lru|Rwkv|Conv")
+
+
+def token_mixers(config, types: List[str], kinds: List[str]) -> Dict[str, Optional[str]]:
+    """For each of ``kinds`` (layer types), the first module of its first layer that mixes tokens, or None where it mixes none;
+    a kind whose layers cannot be told apart from the model's blocks is left out (judged unknown)."""
+    try:
+        blocks = transformer_blocks(skeleton(config, torch.float32))
+    except Exception:  # noqa: BLE001 - a structure that cannot be built here: judged unknown
+        return {}
+    if len(blocks) != len(types):
+        return {}
+    found = {}
+    for kind in kinds:
+        block = blocks[types.index(kind)]
+        mixing = [type(m).__name__ for m in block.modules() if hasattr(m, "is_causal") or isinstance(m, torch.nn.Conv1d)
+                  or MIXING_NAMES.search(type(m).__name__)]
+        found[kind] = mixing[0] if mixing else None
+    return found
 
 
 def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quantization_config=None, device=None):

@@ -11,8 +11,6 @@ linear layer whose logits feed the loss unchanged (no soft-capping or scaling,
 no adapter on it); elsewhere the model's own head and a plain cross-entropy run.
 """
 
-import inspect
-import re
 import types
 from typing import Optional
 
@@ -20,8 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Config fields of architectures whose logits are changed after the head (Gemma 2/3 soft-capping, Cohere, Granite, Falcon-H1).
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 CHUNK_LOGIT_BYTES = 256 * 2**20  # fp32 logits of one chunk
 
 
@@ -149,25 +145,44 @@ def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
     return target_loss(hidden, self.weight, self.bias, index, labels)
 
 
-def head_feeds_loss_unchanged(hf_model) -> bool:
-    """Whether the model's forward hands its head's output to the loss as it is, read from the forward's own source.
+class _Backbone(dict):
+    """What the probe's stand-in backbone returns: the hidden states as a model output holds them, any other field None."""
 
-    Models that scale, cap or multiply logits after the head (Granite, Cohere, Gemma 2/3, Falcon-H1's
-    ``lm_head_multiplier``...) must keep their head: a fused head returns a loss, and whatever the
-    forward does to "logits" afterwards would be done to that loss instead. An assignment to ``logits``
-    that is not a known, switched-off transform (``LOGIT_TRANSFORMS``) keeps the model's own head.
+    def __getattr__(self, name):
+        return self.get(name)
+
+    def __getitem__(self, key):
+        return self.get("last_hidden_state") if key == 0 else dict.get(self, key)
+
+    def to_tuple(self):
+        return (self.last_hidden_state,)
+
+
+def head_feeds_loss_unchanged(hf_model) -> bool:
+    """Whether the model's forward returns its head's output as it is, found by one call of that forward on the meta device
+    with the backbone and the head stood in for: the logits it returns must be the very tensor the head gave.
+
+    Models that scale, cap or multiply logits after the head (Granite, Cohere, Gemma 2, Falcon-H1's ``lm_head_multiplier``...)
+    must keep their head: a fused head returns a loss, and whatever the forward does to "logits" afterwards would be done to
+    that loss instead. A forward the probe cannot run keeps the model's own head.
     """
-    if any(getattr(hf_model.config, key, None) for key in LOGIT_TRANSFORMS):
+    head, backbone = hf_model.get_output_embeddings(), hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
+    if head is None or backbone is None or backbone is hf_model:
         return False
+    text = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
+    marker = torch.empty(1, 2, 3, device="meta")
+    hidden = torch.empty(1, 2, text.hidden_size, device="meta")
+    kept = backbone.forward, head.forward
+    backbone.forward = lambda *args, **kwargs: _Backbone(last_hidden_state=hidden)
+    head.forward = lambda *args, **kwargs: marker
     try:
-        source = inspect.getsource(type(hf_model).forward)
-    except (OSError, TypeError):
+        out = hf_model(input_ids=torch.zeros(1, 2, dtype=torch.long, device="meta"), use_cache=False)
+    except Exception:  # noqa: BLE001 - a forward that needs more than the probe gives keeps its own head
         return False
-    code = re.sub(r"#.*", "", source)
-    assigned = [m.strip() for m in re.findall(r"^\s*logits\s*[-+*/]?=(?!=)(.*)$", code, re.M) if not m.rstrip().endswith(",")]
-    if not assigned or not re.fullmatch(r"self\.\w+\(hidden_states[^()]*\)", assigned[0]):
-        return False
-    return all(any(key in line for key in LOGIT_TRANSFORMS) or line == "torch.tanh(logits)" for line in assigned[1:])
+    finally:
+        backbone.forward, head.forward = kept
+    logits = getattr(out, "logits", None)
+    return logits is marker
 
 
 def fuse_target_loss(hf_model) -> bool:

@@ -98,14 +98,18 @@ def installed_kernels() -> List[str]:
 
 @functools.lru_cache(maxsize=None)
 def transformers_passes_boundaries() -> bool:
-    """Whether this transformers hands seq_idx and cu_seqlens to installed state kernels (and refuses them on its PyTorch
-    path): read once from its kernel dispatch, which 5.24 added."""
+    """Whether this transformers hands seq_idx and cu_seqlens to installed state kernels, probed once: its kernel dispatch
+    (5.24 on) refuses per-sample boundaries on its PyTorch path, which a function of a package that is not installed takes."""
     try:
-        from transformers.integrations import hub_kernels
+        from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
-        return "seq_idx" in inspect.getsource(hub_kernels.use_kernel_func_from_hub_with_fallback)
-    except (ImportError, AttributeError, OSError, TypeError):
+        wrapped = use_kernel_func_from_hub_with_fallback("litft_probe", "litft_no_such_package")(lambda x, seq_idx=None: x)
+        wrapped(0, seq_idx=0)
+    except ValueError:
+        return True  # the PyTorch path refused the boundaries: the kernels' paths are handed them
+    except Exception:  # noqa: BLE001 - no such dispatch, or one that takes other arguments: boundaries never reach a kernel
         return False
+    return False
 
 
 # Where transformers finds each kernel in its package, and the keyword that carries the boundaries: transformers hands a

@@ -17,7 +17,7 @@ DEFAULT_BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1, "grpo": 0.0}
 
 @dataclass
 class ObjectiveArgs:
-    """What a fine-tuning step optimizes: the next-token loss (sft) or a preference objective on chosen/rejected pairs."""
+    """What a fine-tuning step optimizes: the next-token loss (sft), a preference objective on chosen/rejected pairs (dpo, ipo, simpo, orpo), or RL from rewards on sampled completions (grpo)."""
 
     name: Literal["sft", "dpo", "ipo", "simpo", "orpo", "grpo"] = "sft"
     """sft: cross-entropy of the response tokens; dpo, ipo: against a reference model; simpo, orpo: reference-free; grpo: online RL from rewards on sampled completions (also --objective NAME)."""
@@ -59,6 +59,8 @@ class ObjectiveArgs:
     """GRPO: optimizer steps per batch of rollouts (mu); above 1 the rollouts' log-probs under the sampling policy are kept as the ratio's denominator."""
     importance: Literal["token", "sequence"] = "token"
     """GRPO: the probability ratio per token (GRPO, DAPO) or per completion from its mean log-prob ratio (GSPO)."""
+    engine: Literal["auto", "transformers", "vllm"] = "auto"
+    """GRPO: what samples the rollouts: transformers' generate on the trained weights, or vLLM inside each rank's process with the weights pushed after every step; auto: vLLM on a GPU where it is installed, else transformers."""
     disable_dropout: bool = True
     """GRPO: set every dropout of the model and of LoRA's adapters to 0 (TRL's disable_dropout), so that the loss trains the policy that sampled; rollouts are sampled in eval mode either way."""
 
@@ -81,9 +83,10 @@ class ObjectiveArgs:
 
     @property
     def effective_beta(self) -> float:
-        return DEFAULT_BETA[self.name] if self.beta is None else self.beta
+        return DEFAULT_BETA.get(self.name, 0.0) if self.beta is None else self.beta
 
-    def check(self, lora: bool) -> None:
+    def check(self) -> None:
+        """The group's own values, alone and with one another (what they combine with elsewhere: litft.run.plan)."""
         if self.name not in OBJECTIVES:
             raise LitftError(f"--objective {self.name} is unknown; choose one of {', '.join(OBJECTIVES)}")
         if not self.rl:
@@ -97,14 +100,9 @@ class ObjectiveArgs:
         if self.precompute_reference and not self.uses_reference:
             raise LitftError(f"--objective {self.name} uses no reference model; drop --objective.precompute_reference")
         if self.rl:
-            self.check_rl(lora)
-        if self.uses_reference and not lora and self.precompute_reference is False:
-            raise LitftError(
-                f"--objective {self.name} under finetune_full takes its reference log-probs from a scoring pass before training "
-                "(a frozen second copy of the model is not built); drop --objective.precompute_reference false"
-            )
+            self.check_rl()
 
-    def check_rl(self, lora: bool) -> None:
+    def check_rl(self) -> None:
         at_least(self.group_size, 2, "--objective.group_size", "")
         at_least(self.max_new_tokens, 1, "--objective.max_new_tokens")
         at_least(self.iterations, 1, "--objective.iterations")
@@ -130,9 +128,6 @@ class ObjectiveArgs:
                 raise LitftError(f"{flag} {pattern!r} is not a regular expression ({err})") from None
         if self.effective_beta < 0:
             raise LitftError(f"--objective.beta is the KL weight, at least 0, got {self.beta}")
-        if self.effective_beta > 0 and not lora:
-            raise LitftError("--objective grpo with --objective.beta above 0 needs a reference model: under finetune_lora it is the base with "
-                             "the adapter off; finetune_full keeps no frozen copy yet; use finetune_lora or --objective.beta 0")
 
     def reference_precomputed(self, lora: bool) -> bool:
         """Whether the reference log-probs come from a pass before training (else from the base with the adapter off)."""

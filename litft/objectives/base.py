@@ -86,12 +86,14 @@ class Objective:
 
         return {"val_ppl": math.exp(min(val_loss, 50))}
 
-    def step_batches(self, trainer):
-        """The loop's source of step batches where the objective makes its own (RL's rollouts); None: the data's, as collated."""
+    def step_batches(self, trainer, resumed: Optional[Path]):
+        """The loop's source of step batches where the objective makes its own (RL's rollouts, continued from the checkpoint
+        ``resumed``); None: the data's, as collated."""
         return None
 
-    def window_times(self, window_s: float, steps: int, tokens: int) -> Dict[str, float]:
-        """Figures of the time a log window of ``steps`` steps took (RL: training's share apart from sampling's)."""
+    def window_times(self, window_s: float, batches_s: float, steps: int, tokens: int) -> Dict[str, float]:
+        """Figures of the time a log window of ``steps`` steps took, ``batches_s`` of it making their batches (RL: training's
+        share apart from sampling's)."""
         return {}
 
     def validation(self, trainer) -> Optional[Dict[str, float]]:
@@ -100,8 +102,10 @@ class Objective:
 
     # ------------------------------------------------------------ before the first step
 
-    def prepare(self, trainer, resumed: Optional[Path]) -> None:
-        """Whatever the objective needs before training (a reference's scores, read back from ``resumed`` when resuming)."""
+    def prepare(self, trainer, resumed: Optional[Path]) -> Dict[str, object]:
+        """Whatever the objective needs before training (a reference's scores, read back from ``resumed`` when resuming); the
+        files every checkpoint must then keep, by name."""
+        return {}
 
     def describe(self) -> Optional[str]:
         """Where its reference comes from and what it costs (the estimate's line), where it has one."""
@@ -113,8 +117,8 @@ class Objective:
 
     # ------------------------------------------------------------ the estimate
 
-    def generation_bytes(self, config, seq_len: int, itemsize: int) -> int:
-        """Device memory its sampling holds between steps, where it samples (RL: a group's KV cache and logits)."""
+    def generation_bytes(self, config, prompt_len: int, itemsize: int, prompts: int = 1) -> int:
+        """Device memory its sampling holds between steps, where it samples (RL: a generate call's KV cache and logits)."""
         return 0
 
     def fake_batch(self, rows: int, seq_len: int, tokens: torch.Tensor) -> dict:

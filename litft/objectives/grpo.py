@@ -29,6 +29,7 @@ from litft.objectives.args import ObjectiveArgs
 from litft.errors import LitftError
 from litft.objectives.base import Objective, sums_per_sequence
 from litft.rl.rewards import load_rewards
+from litft.rl.rollouts import RolloutBatches, held_out_reward
 
 ROLLOUT_STATS = ("rollout_steps", "prompts", "completions", "completion_tokens", "cut", "equal_groups", "entropy", "generation_s",
                  "reward", "reward_sq")
@@ -80,7 +81,6 @@ class GroupRelative(Objective):
         self.uses_reference = args.effective_beta > 0
         self.reference_forwards = int(self.uses_reference) + int(args.iterations > 1)  # KL's reference, the sampler's log-probs
         self.steps_per_batch = args.iterations
-        self.sampling_s = 0.0  # this rank's time sampling and scoring since the last log step (litft.rl.rollouts adds to it)
 
     @classmethod
     def default_data(cls):
@@ -105,6 +105,10 @@ class GroupRelative(Objective):
             vector[self.stats.index(name)] = value
         return vector
 
+    def add_figures(self, device, **values) -> None:
+        """Sums toward the next log step's figures (``stats`` by name): the rollouts' rewards and lengths, the loss's own."""
+        self.pending.append(self.figure_vector(device, **values))
+
     def loss_sum(self, lm, batch: dict) -> torch.Tensor:
         targets, temperature = batch["targets"], self.args.temperature
         # Every log-prob at the sampling temperature: the policy that sampled is softmax(logits / T) (TRL and verl alike).
@@ -123,8 +127,8 @@ class GroupRelative(Objective):
             gap = {}
             if first and "engine_logp" in batch:  # with iterations above 1, litft.rl.rollouts compares the sampler's log-probs instead
                 gap = dict(logprob_gap=(batch["engine_logp"].float() - old).abs().double().sum(), gap_tokens=float(len(old)))
-            self.pending.append(self.figure_vector(logp.device, loss_tokens=float(len(logp)), clipped_tokens=active.double().sum(),
-                                                   kl=kl.double(), ratio=ratio.double().sum(), **gap))
+            self.add_figures(logp.device, loss_tokens=float(len(logp)), clipped_tokens=active.double().sum(), kl=kl.double(),
+                             ratio=ratio.double().sum(), **gap)
         loss = loss_sum_of(losses, targets["sequence"], sequences, self.args.loss_norm, self.args.max_new_tokens)
         return lm.with_router_aux(loss, aux, self.count(batch))
 
@@ -158,27 +162,21 @@ class GroupRelative(Objective):
     def validation_figures(self, val_loss: float, summed: Optional[torch.Tensor]) -> Dict[str, float]:
         return {}
 
-    def window_times(self, window_s: float, steps: int, tokens: int) -> Dict[str, float]:
-        """Training's time per step and tokens/s apart from the sampling's (rank 0's clock)."""
-        training_s, self.sampling_s = max(window_s - self.sampling_s, 1e-9), 0.0
+    def window_times(self, window_s: float, batches_s: float, steps: int, tokens: int) -> Dict[str, float]:
+        """Training's time per step and tokens/s apart from sampling and scoring the batches (rank 0's clock)."""
+        training_s = max(window_s - batches_s, 1e-9)
         return {"train_s": training_s / max(steps, 1), "train_tokens_per_s": tokens / training_s}
 
-    def step_batches(self, trainer):
-        from litft.rl.rollouts import RolloutBatches
-
-        return RolloutBatches(trainer, self)
+    def step_batches(self, trainer, resumed: Optional[Path]):
+        """The rollouts, sampled by the engine the run plan chose, continued from the cycle a checkpoint was cut inside."""
+        return RolloutBatches.for_run(trainer, self, resumed)
 
     def validation(self, trainer) -> Optional[Dict[str, float]]:
         """The held-out prompts' mean reward, one greedy completion each (and each function's)."""
-        from litft.rl.rollouts import held_out_reward
-
         try:
             return held_out_reward(trainer, self)
         except LitftError as err:
             raise LitftError(f"step {trainer.state.step}, validation: {err}") from None
-
-    def prepare(self, trainer, resumed: Optional[Path]) -> None:
-        trainer.batches_resume_from = resumed  # the rollouts of a cycle of iterations a checkpoint was cut in (litft.rl.rollouts)
 
     def describe(self) -> str:
         return "the base with the adapter off (no extra weights)" if self.uses_reference else "none (no KL term)"
@@ -193,15 +191,17 @@ class GroupRelative(Objective):
             batch["old_logp"] = torch.zeros(index.shape)
         return batch
 
-    def generation_bytes(self, config, seq_len: int, itemsize: int) -> int:
-        """One prompt's group sampled at once: its KV cache at full length, and the last position's logits in fp32 (with the
-        sampling's softmax and sort of them)."""
+    def generation_bytes(self, config, prompt_len: int, itemsize: int, prompts: int = 1) -> int:
+        """One generate call's device memory: the KV cache of ``prompts`` prompts' groups at their full length (the prompt
+        and every new token but the last, which is not run through the model) and the sampler's fp32 vocabulary-wide rows
+        (scores, their scaled copy, the probabilities and their running sums)."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        cache = 2 * text.num_hidden_layers * self.args.group_size * seq_len * kv_heads * head_dim * itemsize
-        return int(cache + 4 * self.args.group_size * text.vocab_size * 4)
+        rows, length = prompts * self.args.group_size, prompt_len + self.args.max_new_tokens - 1
+        cache = 2 * text.num_hidden_layers * rows * length * kv_heads * head_dim * itemsize
+        return int(cache + 4 * rows * text.vocab_size * 4)
 
     def summary(self) -> str:
         a = self.args

@@ -213,13 +213,13 @@ class Preference(Objective):
     def validation_figures(self, val_loss: float, summed: Optional[torch.Tensor]) -> Dict[str, float]:
         return {} if summed is None else figures_of(summed, prefix="val_")
 
-    def prepare(self, trainer, resumed: Optional[Path]) -> None:
+    def prepare(self, trainer, resumed: Optional[Path]) -> Dict[str, object]:
         """DPO/IPO with the reference scored before training: every pair's log-probs under the initial model, no reference weights.
 
         Scored once, at the start, and kept in every checkpoint: a resumed run reads them back and does not score again.
         """
         if not self.precomputed:
-            return
+            return {}
         fabric, data, train = trainer.fabric, trainer.data, trainer.spec.train
         trainer.watch.at(trainer.state.step, "scoring the reference log-probs")
         stored = resumed / REFERENCE_FILE if resumed is not None else None
@@ -250,7 +250,7 @@ class Preference(Objective):
             )
         attach_reference(data.train, tables["train"])
         attach_reference(data.val, tables["val"])
-        trainer.checkpointer.extras[REFERENCE_FILE] = tables
+        return {REFERENCE_FILE: tables}
 
     def fake_batch(self, rows: int, seq_len: int, tokens: torch.Tensor) -> dict:
         """Each row a sequence: chosen and rejected of pair k in rows 2k and 2k + 1; the reference's scores where precomputed."""

@@ -81,6 +81,9 @@ def load_rewards(spec: str, format_pattern: str, answer_pattern: Optional[str] =
             functions[entry] = format_reward(format_pattern)
         else:
             module, _, name = entry.rpartition(":")
+            if not module or not name:
+                raise LitftError(f"--objective.rewards {entry} names no function: give {entry if module else entry + ':'}FUNCTION "
+                                 "(module:function or path/to/file.py:function), or the built-ins exact_match and format")
             try:
                 functions[name] = getattr(import_file(module) if module.endswith(".py") else importlib.import_module(module), name)
             except (ImportError, AttributeError, ValueError, OSError) as err:

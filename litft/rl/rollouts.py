@@ -67,29 +67,52 @@ def gather(fabric, value):
 
 
 class RolloutBatches:
-    """The loop's step batches under RL: each cycle's prompts sampled, scored and cut into micro-batches of completions."""
+    """The loop's step batches under RL: each cycle's prompts sampled, scored and cut into micro-batches of completions.
 
-    def __init__(self, trainer, objective):
-        spec, self.trainer, self.objective = trainer.spec, trainer, objective
-        args, train = objective.args, spec.train
-        self.args, self.fabric, self.pad = args, trainer.fabric, trainer.tokenizer.pad_token_id
-        self.prompts = trainer.data.train
-        place = trainer.context
-        per_rank = train.global_batch_size // place.data_world
-        self.order = SampleOrder(len(self.prompts), train.global_batch_size, per_rank, place.data_rank, place.data_world, spec.seed)
-        self.together = args.generation_batch or next(n for n in (16, 8, 4, 2, 1) if per_rank % n == 0)
-        self.place = place
-        self.generation = trainer.generation
-        self.engine = TransformersEngine(trainer.generation, args.max_new_tokens, args.temperature, args.top_p)
-        self.micro_batch_size, self.padding_free, self.seed = train.micro_batch_size, trainer.padding_free, spec.seed
+    Its dependencies are passed in (``for_run`` takes them from a run), its figures go to the objective, and its own state
+    (a cycle's rollouts, while a cycle of several iterations is under way) goes into every checkpoint (``state_dict``).
+    """
+
+    def __init__(self, *, objective, engine, generation, lm, prompts, order: SampleOrder, place, tokenizer, fabric, micro_batch_size: int,
+                 padding_free: bool, seed: int, rollouts_dir: Path, context_limit: Optional[int] = None):
+        self.objective, self.args, self.engine, self.generation, self.lm = objective, objective.args, engine, generation, lm
+        self.prompts, self.order, self.place, self.tokenizer, self.fabric = prompts, order, place, tokenizer, fabric
+        self.pad = tokenizer.pad_token_id
+        self.together = self.args.generation_batch or next(n for n in (16, 8, 4, 2, 1) if order.micro_batch_size % n == 0)
+        self.micro_batch_size, self.padding_free, self.seed, self.rollouts_dir = micro_batch_size, padding_free, seed, rollouts_dir
         self.cycle: Optional[Tuple[int, int]] = None
         self.micro: List[dict] = []
-        self.stored = self.read_stored(getattr(trainer, "batches_resume_from", None))
-        self.check_context(trainer.lm.hf_model.config)
+        self.stored: dict = {}  # a cycle's rollouts read back from a checkpoint cut inside it
+        self.kept: Optional[dict] = None  # this cycle's rollouts, every rank's, while its iterations go on
+        self.check_context(context_limit)
 
-    def check_context(self, config) -> None:
+    @classmethod
+    def for_run(cls, trainer, objective, resumed: Optional[Path]) -> "RolloutBatches":
+        """The rollouts of a run: its prompts in seeded order, each rank's share of whole prompts, the engine its plan chose."""
+        spec, place = trainer.spec, trainer.context
+        per_rank = spec.train.global_batch_size // place.data_world
+        order = SampleOrder(len(trainer.data.train), spec.train.global_batch_size, per_rank, place.data_rank, place.data_world, spec.seed)
+        args = objective.args
+        engine = TransformersEngine(trainer.generation, args.max_new_tokens, args.temperature, args.top_p)
+        batches = cls(objective=objective, engine=engine, generation=trainer.generation, lm=trainer.lm, prompts=trainer.data.train,
+                      order=order, place=place, tokenizer=trainer.tokenizer, fabric=trainer.fabric,
+                      micro_batch_size=spec.train.micro_batch_size, padding_free=trainer.padding_free, seed=spec.seed,
+                      rollouts_dir=spec.out_dir / "rollouts", context_limit=getattr(trainer.config, "max_position_embeddings", None))
+        stored = resumed / ROLLOUTS_FILE if resumed is not None else None
+        if stored is not None and stored.is_file():
+            batches.load_state_dict(torch.load(stored, weights_only=True))
+        trainer.checkpointer.keep_file(ROLLOUTS_FILE, batches.state_dict)
+        return batches
+
+    def state_dict(self) -> Optional[dict]:
+        """What a checkpoint cut inside a cycle of iterations keeps: the cycle's rollouts with their sampler log-probs."""
+        return self.kept
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stored = state
+
+    def check_context(self, limit: Optional[int]) -> None:
         """Refuse, before the first step, a prompt whose completions could run past the model's context."""
-        limit = getattr(config, "max_position_embeddings", None)
         longest = max(range(len(self.prompts)), key=lambda i: len(self.prompts[i]["input_ids"]), default=None)
         if limit is None or longest is None:
             return
@@ -99,18 +122,15 @@ class RolloutBatches:
                              f"{self.args.max_new_tokens} its completions pass the model's context of {limit}; lower --data.max_seq_length "
                              "(longer prompts are dropped) or --objective.max_new_tokens")
 
-    def read_stored(self, resumed: Optional[Path]) -> dict:
-        path = resumed / ROLLOUTS_FILE if resumed is not None else None
-        return torch.load(path, weights_only=True) if path is not None and path.is_file() else {}
-
     def position(self, epoch: int, step: int) -> Tuple[int, int]:
         per_epoch = self.order.steps_per_epoch * self.args.iterations
         return (epoch + 1, 0) if step >= per_epoch else (epoch, step)
 
-    def get(self, epoch: int, step: int) -> List[dict]:
+    def get(self, epoch: int, step: int, run_step: int = 0) -> List[dict]:
+        """The micro-batches of the epoch's ``step``, which is the run's ``run_step``."""
         cycle = (epoch, step // self.args.iterations)
         if cycle != self.cycle:
-            first_step = self.trainer.state.step + 1 - step % self.args.iterations  # where a resumed run re-enters a cycle
+            first_step = run_step - step % self.args.iterations  # where a resumed run re-enters a cycle
             self.cycle, self.micro = cycle, self.roll(*cycle, first_step=first_step)
         return self.micro
 
@@ -184,14 +204,13 @@ class RolloutBatches:
         if args.iterations > 1:
             self.sampler_log_probs(micro, mine, groups, stored)
             self.keep(epoch, cycle, mine, groups, micro)
-        self.objective.sampling_s += time.perf_counter() - started
         if stored is None:  # a cycle read back was logged and written by the run that sampled it
             self.record(first_step, mine, groups, rewards, by_function, advantages, entropy, generation_s)
         return micro
 
     def score(self, mine: List[int], groups: List[dict]):
         """Each completion's reward (prompts, group), and each function's values, from the reward functions."""
-        by_function, total = judge(self.trainer.tokenizer, self.objective,
+        by_function, total = judge(self.tokenizer, self.objective,
                                    [(self.prompts[index], group["completions"]) for index, group in zip(mine, groups)])
         rewards = torch.tensor(total, dtype=torch.float64).reshape(len(groups), self.args.group_size)
         return rewards, by_function
@@ -200,7 +219,7 @@ class RolloutBatches:
     def sampler_log_probs(self, micro: List[dict], mine: List[int], groups: List[dict], stored) -> None:
         """The completions' log-probs under the policy that sampled them, at the sampling temperature, as the trainer computes
         them (the ratio's denominator for every iteration); their distance from the engine's is logged."""
-        lm, fabric = self.trainer.lm, self.fabric
+        lm, fabric = self.lm, self.fabric
         if stored is not None:  # read back with the rollouts: the weights that sampled them are gone
             flat = torch.cat([torch.cat(g["old_logp"]) for g in groups]) if groups else torch.zeros(0)
         else:
@@ -219,19 +238,18 @@ class RolloutBatches:
             start += n
         if stored is None:
             engine = torch.cat([b["engine_logp"] for b in micro]) if micro else torch.zeros(0)
-            self.objective.pending.append(self.objective.figure_vector(
-                fabric.device, logprob_gap=float((engine - flat).abs().sum()), gap_tokens=float(len(flat))))
+            self.objective.add_figures(fabric.device, logprob_gap=float((engine - flat).abs().sum()), gap_tokens=float(len(flat)))
 
     def keep(self, epoch: int, cycle: int, mine: List[int], groups: List[dict], micro: List[dict]) -> None:
         """Every rank's rollouts of the cycle, with their sampler log-probs, in the checkpoints cut inside it."""
         merged = {}
         for part in gather(self.fabric, {index: group for index, group in zip(mine, with_old_logp(groups, micro))}):
             merged.update(part)
-        self.trainer.checkpointer.extras[ROLLOUTS_FILE] = {"cycle": [epoch, cycle], "groups": merged}
+        self.kept = {"cycle": [epoch, cycle], "groups": merged}
 
     def record(self, first_step, mine, groups, rewards, by_function, advantages, entropy, generation_s) -> None:
         """The cycle's figures for the log, and its rollouts in out_dir/rollouts/step-N.jsonl."""
-        objective, fabric, tokenizer = self.objective, self.fabric, self.trainer.tokenizer
+        objective, fabric, tokenizer = self.objective, self.fabric, self.tokenizer
         completions = [c for g in groups for c in g["completions"]]
         cut = sum(sum(g["cuts"]) for g in groups)
         equal = int((rewards.max(dim=1).values == rewards.min(dim=1).values).sum()) if len(groups) else 0
@@ -241,7 +259,7 @@ class RolloutBatches:
         for name, scores in by_function.items():
             judged = [s for s in scores if s is not None]
             values.update({f"{name}/sum": sum(judged), f"{name}/sq": sum(s * s for s in judged), f"{name}/count": float(len(judged))})
-        objective.pending.append(objective.figure_vector(fabric.device, **values))
+        objective.add_figures(fabric.device, **values)
         rows, k = [], 0
         for g, (index, group) in enumerate(zip(mine, groups)):
             prompt_ids = self.prompts[index]["input_ids"].tolist()
@@ -255,7 +273,7 @@ class RolloutBatches:
                 k += 1
         everyone = gather(fabric, rows)[:: self.place.shared]  # a tensor-parallel group's ranks sampled the same rollouts
         if fabric.is_global_zero:
-            folder = self.trainer.spec.out_dir / "rollouts"
+            folder = self.rollouts_dir
             folder.mkdir(parents=True, exist_ok=True)
             ordered = sorted((r for part in everyone for r in part), key=lambda r: (r["prompt_index"], r["completion_index"]))
             (folder / f"step-{first_step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ordered))

@@ -9,7 +9,7 @@ put the same 4-bit layers in place without weights.
 """
 
 import dataclasses
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -17,14 +17,14 @@ from transformers.quantizers import AutoHfQuantizer
 
 from litft.model.compiling import compile_blocks
 from litft.config import LoraArgs, TrainArgs
-from litft.objectives.args import ObjectiveArgs
 from litft.device import compute_dtype, param_dtype
 from litft.model.experts import use_grouped_experts
 from litft.model.fp8 import convert as convert_to_fp8
 from litft.model.kernels import use_liger_kernels
 from litft.model.lora import apply_lora, quantization_config, quiet_peft
 from litft.model.loss import fuse_target_loss
-from litft.objectives import build_objective
+from litft.objectives import Objective, next_token
+from litft.run.plan import RunPlan
 from litft.model.causal_lm import CausalLM
 from litft.model.loading import keep_4bit_training_layout, load_causal_lm, load_config
 from litft.parallel.expert import compute_expert_lora
@@ -109,36 +109,39 @@ def enable_checkpointing(model) -> None:
 
 
 def build_module(
-    source: str, precision: str, lora: Optional[LoraArgs], train: TrainArgs, total_steps: int, *, random_init: bool, seed: int, device,
-    strategy: TrainingStrategy, attention: Optional[str] = None, compile: bool = False, liger: bool = False, objective: Optional[ObjectiveArgs] = None,
-    fp8: Optional[str] = None, config=None,
+    source: str, plan: Union[RunPlan, str], lora: Optional[LoraArgs], train: TrainArgs, total_steps: int, objective: Optional[Objective] = None,
+    *, random_init: bool, seed: int, device, strategy: TrainingStrategy, config=None,
 ) -> Tuple[CausalLM, Fill, bool]:
     """The CausalLM module, the fill that gives its tensors their first values, and whether it is already on ``device``.
 
-    The strategy builds the structure (on the meta device, or partitioned as it is
-    built) and says how it is filled. ``config``: the model's, where the caller read it already.
+    The strategy builds the structure (on the meta device, or partitioned as it is built) and says how it is filled; the
+    plan says what runs (attention, compile, kernels, FP8; a precision alone: a plain run's plan). ``objective``: the
+    run's (the next-token loss where none is given). ``config``: the model's, where the caller read it already.
     """
-    objective = objective or ObjectiveArgs()
-    without_dropout = objective.rl and objective.disable_dropout
+    plan = RunPlan.plain(plan) if isinstance(plan, str) else plan
+    objective = objective or next_token(lora is not None)
+    args = objective.args
+    without_dropout = args.rl and args.disable_dropout
     if without_dropout and lora is not None and lora.dropout:
         lora = dataclasses.replace(lora, dropout=0.0)
     quantized = lora is not None and lora.quantize is not None
     # A 4-bit base is loaded whole by transformers unless the strategy quantizes it unit by unit as it fills (ZeRO-3).
     loads_4bit = quantized and not strategy.fills_4bit
+    fp8, precision = plan.fp8, plan.precision
     model = build_model(
-        config if config is not None else load_config(source), precision, lora, train.gradient_checkpointing, source=source if loads_4bit else None, device=device,
-        attention=attention, structure=skeleton if quantized else strategy.structure, liger=liger, dtype=strategy.model_dtype,
-        frozen_dtype=strategy.frozen_base_dtype(precision), fp8=fp8, fp8_all_gather=fp8 == "tensorwise" and strategy.gathers_fp8,
+        config if config is not None else load_config(source), precision, lora, train.gradient_checkpointing, source=source if loads_4bit else None,
+        device=device, attention=plan.attention, structure=skeleton if quantized else strategy.structure, liger=plan.liger,
+        dtype=strategy.model_dtype, frozen_dtype=strategy.frozen_base_dtype(precision), fp8=fp8,
+        fp8_all_gather=fp8 == "tensorwise" and strategy.gathers_fp8,
     )
     if without_dropout:
         switch_off_dropout(model)
-    lm = CausalLM(model, train, build_objective(objective, lora is not None), total_steps=total_steps)
+    lm = CausalLM(model, train, objective, total_steps=total_steps)
     lm.fp8_all_gather = fp8 == "tensorwise" and strategy.gathers_fp8
-    if compile:
+    if plan.compile.enabled:
         # Each block on its own, before any strategy wraps or shards it; compiled lazily, at its first call.
         lm.compiled_kinds = compile_blocks(transformer_blocks(lm.hf_model))
     if loads_4bit:
         return lm, AdapterInit(Materializer(lm.model, lm.hf_model, None, seed)), True
     weights = None if random_init else model_layout_weights(locate_checkpoint(source), lm.hf_model.config)
     return lm, strategy.filler(lm, weights, seed), False
-

@@ -9,6 +9,7 @@ resumed run continues without replaying or skipping a batch.
 """
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -52,6 +53,7 @@ class StepBatch:
     tokens: int
     samples: int
     flops: float
+    fetch_s: float = 0.0  # the time making the micro-batches took on this rank (RL: sampling and scoring)
 
 
 def fit(trainer) -> LoopState:
@@ -86,7 +88,9 @@ def next_batch(trainer) -> Optional[StepBatch]:
     state = trainer.state
     trainer.watch.at(state.step + 1, "training")
     state.epoch, state.epoch_step = trainer.batches.position(state.epoch, state.epoch_step)  # the next epoch, past the end of one
-    micro = trainer.batches.get(state.epoch, state.epoch_step)  # this rank's slices, under context parallel
+    fetching = time.perf_counter()
+    micro = trainer.batches.get(state.epoch, state.epoch_step, state.step + 1)  # this rank's slices, under context parallel
+    fetch_s = time.perf_counter() - fetching  # sampling and scoring, under RL
     trainer.sample_log.write(state.step + 1, state.epoch, [b["ids"].tolist() for b in micro])
     reason = trainer.stops.reason(state.step)
     flops = sum(trainer.flops.of_row(int(n)) for b in micro for n in b["lengths"]) if trainer.flops else 0.0
@@ -94,7 +98,7 @@ def next_batch(trainer) -> Optional[StepBatch]:
     # whether any rank was asked to stop, and the step's model FLOPs. Counted on the CPU from the
     # batches, and reduced there where the process group can (gloo): no accelerator sync.
     counts = torch.tensor(
-        [sum(trainer.lm.objective.count(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro),
+        [sum(trainer.objective.count(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro),
          float(reason is not None), flops],
         dtype=torch.float64, device=trainer.strategy.host_device,
     )
@@ -107,7 +111,7 @@ def next_batch(trainer) -> Optional[StepBatch]:
         state.stopped_by = reason or "a signal to another rank"
         trainer.stops.agreed()
         return None
-    return StepBatch(micro, targets, tokens, samples, flops)
+    return StepBatch(micro, targets, tokens, samples, flops, fetch_s)
 
 
 def train_step(trainer, batch: StepBatch) -> None:
@@ -133,7 +137,7 @@ def train_step(trainer, batch: StepBatch) -> None:
     state.tokens, state.samples = state.tokens + batch.tokens, state.samples + batch.samples
     # The loss and the norm stay on the device until a log step reads them.
     metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer, router_aux=trainer.lm.take_router_aux(),
-                                    expert_load=trainer.expert_load, figures=trainer.lm.objective.take_figures())
+                                       expert_load=trainer.expert_load, figures=trainer.objective.take_figures())
     if "loss" in metrics and not math.isfinite(metrics["loss"]):  # a log step's loss is the global one: every rank stops here
         raise not_finite(float(state.first_nonfinite) if math.isfinite(float(state.first_nonfinite)) else state.step)
     state.history.append(metrics)
@@ -167,7 +171,7 @@ def validate_and_log(trainer, scoring: bool) -> None:
     fabric, data, spec, state = trainer.fabric, trainer.data, trainer.spec, trainer.state
     trainer.watch.at(state.step, "validating")
     metrics = {}
-    objective = trainer.lm.objective
+    objective = trainer.objective
     measured = objective.validation(trainer)  # an objective that measures validation itself (RL: the held-out reward)
     if measured is not None:
         metrics.update(measured)
@@ -191,5 +195,7 @@ def validate_and_log(trainer, scoring: bool) -> None:
 def save(trainer) -> None:
     trainer.watch.at(trainer.state.step, "saving a checkpoint")
     path = trainer.checkpointer.save(trainer.state.state_dict())
+    if trainer.fabric.global_rank == 0:
+        trainer.out.settle()  # the run --overwrite set aside is gone for good once this run has a checkpoint
     trainer.meter.progress.message(f"step {trainer.state.step}: checkpoint {path}")
     trainer.write_plot()

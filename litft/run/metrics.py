@@ -116,12 +116,14 @@ class Throughput:
     samples: int = 0
     flops: float = 0.0
     steps: int = 0
+    batches_s: float = 0.0  # making the batches (RL: sampling and scoring them)
 
-    def add(self, tokens: int, samples: int, flops: float) -> None:
+    def add(self, tokens: int, samples: int, flops: float, batches_s: float = 0.0) -> None:
         self.steps += 1
         self.tokens += tokens
         self.samples += samples
         self.flops += flops
+        self.batches_s += batches_s
 
     def rates(self, world_size: int, peak: Optional[float], excluded_s: float = 0.0) -> Dict[str, float]:
         """Rates over the window's wall time, less ``excluded_s`` (compilation) spent inside it."""
@@ -202,7 +204,7 @@ class StepMeter:
         first = state.step == self.start_step + 1
         if first:
             metrics.update(self._state_bytes(lm, optimizer))
-        self.window.add(batch.tokens, batch.samples, batch.flops)
+        self.window.add(batch.tokens, batch.samples, batch.flops, batch.fetch_s)
         if state.step % self.train.log_interval == 0 or state.step == self.total_steps:
             metrics["loss"] = self.fabric.all_reduce(loss_sum, reduce_op="sum").item() / max(batch.targets, 1)
             if router_aux is not None:  # MoE: the router's load-balancing loss, included in "loss", averaged over the ranks
@@ -217,7 +219,8 @@ class StepMeter:
             compiling = self.compiled.read() if self.compiled is not None else {"compile_s": 0.0}
             metrics.update(self.window.rates(self.fabric.world_size, self.flops.peak if self.flops else None, compiling["compile_s"] - self.compile_s))
             if self.objective is not None:
-                metrics.update(self.objective.window_times(time.perf_counter() - self.window.started, self.window.steps, self.window.tokens))
+                metrics.update(self.objective.window_times(time.perf_counter() - self.window.started, self.window.batches_s, self.window.steps,
+                                                           self.window.tokens))
             metrics.update(peak_memory_by_rank(self.fabric))
             if self.compiled is not None:  # torch.compile's time and frames so far; the time is kept out of the rates
                 metrics.update(compiling)

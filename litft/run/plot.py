@@ -1,4 +1,5 @@
-"""out_dir/logs/loss.png: the run's training and validation loss and its learning rate, drawn from the CSV log."""
+"""out_dir/logs/loss.png: the run's training and validation loss and its learning rate, drawn from the CSV log; under RL the
+mean reward of the rollouts and of the held-out prompts instead of the losses, whose values say little there."""
 
 import csv
 import os
@@ -22,8 +23,10 @@ def plot_losses(csv_path: Path, png_path: Path) -> bool:
     """Draw the plot (no display needed: Agg renders to a file); False when the log has no loss yet."""
     if not csv_path.is_file():
         return False
-    data = series(csv_path, ("loss", "val_loss", "lr"))
-    if not data["loss"][0] and not data["val_loss"][0]:
+    data = series(csv_path, ("loss", "val_loss", "lr", "reward_mean", "val_reward"))
+    rl = bool(data["reward_mean"][0] or data["val_reward"][0])
+    train, held_out = ("reward_mean", "val_reward") if rl else ("loss", "val_loss")
+    if not data[train][0] and not data[held_out][0]:
         return False
     # Imported here: only rank 0 draws, and matplotlib takes about a second of a process's start.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -32,11 +35,12 @@ def plot_losses(csv_path: Path, png_path: Path) -> bool:
     figure = Figure(figsize=(8, 4.5), dpi=100)
     FigureCanvasAgg(figure)
     loss_axis = figure.add_subplot()
-    lines = loss_axis.plot(*data["loss"], color="tab:blue", linewidth=1.2, label="train loss")
-    if data["val_loss"][0]:
-        lines += loss_axis.plot(*data["val_loss"], color="tab:orange", marker="o", markersize=4, label="validation loss")
+    lines = loss_axis.plot(*data[train], color="tab:blue", linewidth=1.2, label="rollouts' mean reward" if rl else "train loss")
+    if data[held_out][0]:
+        lines += loss_axis.plot(*data[held_out], color="tab:orange", marker="o", markersize=4,
+                                label="held-out reward (greedy)" if rl else "validation loss")
     loss_axis.set_xlabel("step")
-    loss_axis.set_ylabel("loss")
+    loss_axis.set_ylabel("reward" if rl else "loss")
     loss_axis.grid(alpha=0.3)
     if data["lr"][0]:
         lr_axis = loss_axis.twinx()

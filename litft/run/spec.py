@@ -15,9 +15,9 @@ from litft.checkpoint.format import RUN_CONFIG
 from litft.config import EvalArgs, Layout, LoraArgs, TrainArgs
 from litft.objectives.args import ObjectiveArgs
 from litft.data.base import DataModule, data_config
-from litft.data.preference import PreferenceData
 from litft.data.tiny import TinyTasks
 from litft.errors import LitftError
+from litft.model.fp8 import check_recipe
 from litft.objectives import FAMILIES
 from litft.parallel.mesh import Mesh, layout_data_world
 
@@ -75,41 +75,29 @@ class RunSpec:
         return cls(**{**common, **job_fields})
 
     def check(self) -> Optional[str]:
-        """The flags' own checks (the layout's need the accelerator and are made when the run starts).
-
-        A global batch left out is derived from the world size; the line saying so is returned.
-        """
+        """Each flag group's own values (what the groups combine into, with the machine and the model, is refused by the run
+        plan's table: litft.run.plan). A global batch left out is derived from the world size; the line saying so is returned."""
         self.layout.check()  # the world size comes first: the batch checks divide by it
         Mesh.check_groups_fit_nodes(self.layout)
         if self.train.micro_batch_size < 1:
             raise LitftError("--train.global_batch_size and --train.micro_batch_size must be at least 1")
-        data_world = layout_data_world(self.layout)
-        if self.objective.rl:  # the global batch counts prompts, a micro-batch completions: each rank takes whole prompts
-            self.train, note = self.train.resolved(data_world)
-            if self.train.global_batch_size % data_world:
-                raise LitftError(f"--train.global_batch_size {self.train.global_batch_size} prompts do not split over {data_world} data-parallel "
-                                 "ranks (each rank samples whole groups); choose a multiple of it")
-            together = self.objective.generation_batch
-            if together is not None and (self.train.global_batch_size // data_world) % together:
-                raise LitftError(f"--objective.generation_batch {together} does not divide a rank's {self.train.global_batch_size // data_world} "
-                                 f"prompts (--train.global_batch_size over {data_world} data-parallel ranks); choose a divisor of it")
-        else:
-            self.train, note = self.train.resolved(data_world)
-            self.train.check(data_world)
-        # Prompts with answers (RL validates its held-out reward instead).
-        self.eval.check(instruction_data=hasattr(self.data, "prompted") or isinstance(self.data, PreferenceData) or self.objective.rl)
+        self.train, note = self.train.resolved(self.data_world)
+        if not self.objective.rl:  # RL's global batch counts prompts and its micro-batches completions: no common multiple
+            self.train.check(self.data_world)
+        self.eval.check()
         self.data.check()
-        if getattr(self.data, "streaming", False) and self.train.max_steps is None:
-            raise LitftError("--data.streaming true needs --train.max_steps: a stream's length is not known in advance")
         if not 0 <= self.seed < 2**32:
             raise LitftError(f"--seed must be in [0, 2**32) (what numpy and torch accept), got {self.seed}")
         if self.lora is not None:
             self.lora.check()
-        self.objective.check(lora=self.lora is not None)
-        FAMILIES[self.objective.name].check_data(self.objective, self.data)
-        if self.overwrite and self.resumes_inside_out_dir:
-            raise LitftError("--overwrite true deletes the checkpoints that --resume continues from; pass only one of them")
+        self.objective.check()
+        check_recipe(self.fp8)
         return note
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel ranks: those that take different samples."""
+        return layout_data_world(self.layout)
 
     def final_exports(self) -> List[Tuple[str, Path]]:
         """What the end of the run writes, in order: LoRA's adapter first (the smallest, and it holds the training, so a

@@ -8,53 +8,46 @@ on the meta device and filled as the strategy shards it.
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import lightning_fabric as L
-import yaml
 from lightning_fabric.plugins.environments import LightningEnvironment
 
-from litft.model.attention import PACKED_SAFE
-from litft.model.attention import choose as choose_attention
-from litft.model.kernels import choose_kernels, describe_kernels
-from litft.model.attention import describe as describe_attention
-from litft.run.build import build_module
 from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
 from litft.checkpoint.convert import DTYPE_NAMES, export
-from litft.checkpoint.format import RUN_CONFIG
-from litft.model.compiling import CompileChoice, CompileStats
-from litft.model.compiling import choose as choose_compile
+from litft.data.base import mean_length
+from litft.data.order import SampleOrder, StepBatches
+from litft.data.stream import StreamSource
+from litft.device import cuda_allocator_defaults, map_large_host_allocations, resolve_accelerator, resolve_precision
+from litft.errors import LitftError
 from litft.launch.cluster import (
     apply_launcher_env, check_shared_out_dir, join_torchrun_group, launcher, leave_process_group, preflight, process_group_timeout, restarted,
 )
-from litft.data.base import PreparedData, mean_length
-from litft.data.order import SampleOrder, StepBatches
-from litft.data.stream import StreamSource
-from litft.device import compute_dtype, cuda_allocator_defaults, map_large_host_allocations, param_dtype, resolve_accelerator, resolve_precision
-from litft.errors import LitftError
+from litft.launch.watch import PeerWatch, StopSignals
+from litft.model.compiling import CompileStats
 from litft.model.experts import ExpertLoad
 from litft.model.experts import describe as describe_experts
 from litft.model.flops import StepFlops
-from litft.model.fp8 import check as check_fp8
 from litft.model.fp8 import describe as describe_fp8
 from litft.model.generation import Generation
+from litft.model.loading import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
+from litft.objectives import build_objective
+from litft.parallel.mesh import Mesh
+from litft.parallel.strategies import checked_strategy_class
+from litft.ranks import on_every_rank, on_rank_zero, rank_zero_first
+from litft.run.build import build_module
 from litft.run.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.run.loop import LoopState, fit
 from litft.run.metrics import Cadence, SampleLog, StepMeter, StopRequests
-from litft.model.recurrent import boundary_kernels, carries_state, describe as describe_recurrent
-from litft.model.loading import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
-from litft.parallel.context import check_context_parallel
-from litft.parallel.expert import check_expert_parallel
-from litft.parallel.mesh import Mesh
-from litft.parallel.strategies import checked_strategy_class
-from litft.parallel.tensor import check_tensor_parallel
+from litft.run.outdir import OutDir
+from litft.run.plan import PACKED_WITH_BOUNDARIES, RunPlan, facts_of
 from litft.run.plot import plot_losses
 from litft.run.profiling import StepProfiler
-from litft.ranks import on_rank_zero, rank_zero_first
 from litft.run.spec import RunResult, RunSpec
-from litft.launch.watch import PeerWatch, StopSignals
+
 
 def plan_steps(train, num_samples: int, mean_tokens: float, steps_per_batch: int = 1) -> int:
     """Optimizer steps the run will take: the first of max_steps, epochs and max_tokens to end it (``steps_per_batch``: RL's
@@ -72,20 +65,20 @@ def plan_steps(train, num_samples: int, mean_tokens: float, steps_per_batch: int
 
 
 class Trainer:
-    """Owns a run's fabric, strategy, module, optimizer, scheduler, data, checkpointer and meter."""
+    """Owns a run's fabric, strategy, plan, module, optimizer, scheduler, data, checkpointer and meter."""
 
-    def __init__(self, spec: RunSpec, fabric, strategy, precision: str, attention: str, compiling: CompileChoice = CompileChoice(False, ""),
-                 config=None):
-        self.spec, self.fabric, self.strategy, self.precision, self.attention = spec, fabric, strategy, precision, attention
-        self.compiling, self.config = compiling, config
+    def __init__(self, spec: RunSpec, fabric, strategy, plan: RunPlan, config, objective):
+        self.spec, self.fabric, self.strategy, self.plan, self.config, self.objective = spec, fabric, strategy, plan, config, objective
+        self.precision = plan.precision
         self.state = LoopState()
         self.context = strategy.mesh.place(fabric.global_rank)  # which samples this rank takes, and its slice of them
+        self.out = OutDir(spec.out_dir, spec.overwrite, continues=spec.resumes_inside_out_dir)
         self.stops = StopRequests()
         self.watch = PeerWatch.idle()
 
     @classmethod
     def launch(cls, spec: RunSpec) -> "Trainer":
-        """Check the world and the flags, pick the strategy, and start (or join) the processes."""
+        """Check the world, the flags and what they combine into (the run plan), and start (or join) the processes."""
         quiet_libraries()
         cuda_allocator_defaults()
         layout = spec.layout
@@ -100,27 +93,10 @@ class Trainer:
         accelerator = resolve_accelerator(spec.accelerator)
         precision = resolve_precision(spec.precision, accelerator)
         chosen = checked_strategy_class(layout, accelerator, precision)
-        attention = choose_attention(spec.attn_implementation, accelerator, precision, layout.context_parallel)
-        if spec.objective.rl and layout.context_parallel > 1:
-            raise LitftError(f"--objective {spec.objective.name} samples completions with transformers' generate, which litft does not yet "
-                             "run with the sequence split by --context_parallel; drop it (FSDP, ZeRO-3, tensor and expert parallel split the model)")
-        compiling = choose_compile(spec.compile, accelerator, chosen.compiles, chosen.name, quantize=spec.lora.quantize if spec.lora else None,
-                                   context_parallel=layout.context_parallel, tensor_parallel=layout.tensor_parallel,
-                                   expert_parallel=layout.expert_parallel, generates=spec.objective.rl, fp8=spec.fp8)
-        check_fp8(spec.fp8, accelerator, precision, quantize=spec.lora.quantize if spec.lora else None, strategy_name=chosen.name,
-                  tensor_parallel=layout.tensor_parallel)
         config = load_config(resolve_model(spec.model))  # the model's description, read once: every check and the build take it
         check_architecture(config)  # before any process starts
-        if carries_state(config) and getattr(spec.data, "packing", False) and not boundary_kernels(config, accelerator, attention in PACKED_SAFE):
-            raise LitftError(f"--data.packing puts several samples in one row, and {config.model_type}'s state-carrying layers would carry "
-                             "one sample's state into the next; drop --data.packing (litft trains these models a sample per padded row "
-                             "unless their kernels take per-sample boundaries: litft.model.recurrent)")
-        if layout.context_parallel > 1:
-            check_context_parallel(config, layout.context_parallel)
-        if layout.expert_parallel > 1:
-            check_expert_parallel(config, layout.expert_parallel)
-        if layout.tensor_parallel > 1:
-            check_tensor_parallel(config, layout.tensor_parallel, spec.lora.quantize if spec.lora else None)
+        plan = RunPlan.decide(facts_of(spec, accelerator, precision, chosen, config, spec.data_world))
+        objective = build_objective(spec.objective, lora=spec.lora is not None)  # reward functions imported here, before any write
         strategy = chosen(layout, accelerator, precision, spec.train, Mesh.of(layout, chosen))
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
@@ -138,73 +114,96 @@ class Trainer:
             map_large_host_allocations()
         if batch_note:
             fabric.print(batch_note)
-        return cls(spec, fabric, strategy, precision, attention, compiling, config)
+        return cls(spec, fabric, strategy, plan, config, objective)
 
     def prepare(self) -> None:
-        """Data and tokenizer (rank 0 first), the model built, filled and wrapped, the checkpointer, a resume."""
+        """Every input read and checked, then out_dir claimed, the model built, a checkpoint resumed, the batches and meters."""
+        resume_from, num_train = self.read_inputs()
+        self.claim_out_dir()
+        self.build()
+        position = self.restore(resume_from, num_train)
+        resumed = resume_from if position is not None else None
+        checkpoint_files = self.objective.prepare(self, resumed)  # a reference's scores, where the objective needs them
+        for name, value in (checkpoint_files or {}).items():
+            self.checkpointer.keep_file(name, value)
+        self.batches = self.make_batches(num_train, resumed)
+        self.make_meters()
+
+    def read_inputs(self) -> Tuple[Optional[Path], int]:
+        """The tokenizer, the data and the checkpoint to resume from, read and checked (rank 0 first) before out_dir is
+        touched: a malformed record, a missing or mismatched checkpoint fails here with the earlier run intact."""
         spec, fabric = self.spec, self.fabric
+        self.watch.at(0, "loading the tokenizer and data")
 
         def load():
             if fabric.global_rank == 0:
-                spec.check_out_dir()
+                self.out.reconcile()
+                self.out.check()
             resume_from = resolve_resume(spec.resume, spec.out_dir)
-            source = resolve_model(spec.model)
-            tokenizer = load_tokenizer(resolve_model(spec.tokenizer) if spec.tokenizer else source)
-            return source, tokenizer, spec.data.load_or_tokenize(tokenizer, spec.seed), resume_from
+            tokenizer = load_tokenizer(resolve_model(spec.tokenizer or spec.model))
+            return tokenizer, spec.data.load_or_tokenize(tokenizer, spec.seed), resume_from
 
-        self.watch.at(0, "loading the tokenizer and data")
-        source, self.tokenizer, self.data, resume_from = rank_zero_first(fabric, load, "loading the tokenizer and data")
-        on_rank_zero(fabric, self._record_config, "writing the run's config")
-        log_config(fabric, spec.recorded)
-        check_shared_out_dir(fabric, spec.out_dir)
-        data: PreparedData = self.data
-        for note in data.notes:
+        self.tokenizer, self.data, resume_from = rank_zero_first(fabric, load, "loading the tokenizer and data")
+        for note in self.data.notes:
             fabric.print(note)
-        streamed = isinstance(data.train, StreamSource)
-        num_train = 0 if streamed else len(data.train)  # a stream's length is not known
+        streamed = isinstance(self.data.train, StreamSource)
+        num_train = 0 if streamed else len(self.data.train)  # a stream's length is not known
         if not streamed and num_train < spec.train.global_batch_size:
-            raise LitftError(
-                f"the training data has {num_train} samples, fewer than one global batch ({spec.train.global_batch_size}); "
-                "add data or lower --train.global_batch_size"
-            )
-        self.total_steps = spec.train.max_steps if streamed else plan_steps(spec.train, num_train, mean_length(data.train),
-                                                                                   spec.objective.iterations if spec.objective.rl else 1)
+            raise LitftError(f"the training data has {num_train} samples, fewer than one global batch ({spec.train.global_batch_size}); "
+                             "add data or lower --train.global_batch_size")
+        if resume_from is not None:  # all but the trained shapes, which need the model: checked again once it is built
+            on_every_rank(fabric, lambda: CheckpointMeta.read(resume_from).check_fits(resume_from, self._meta(num_train)),
+                          "checking the checkpoint to resume from")
+        iterations = spec.objective.iterations if spec.objective.rl else 1
+        self.total_steps = spec.train.max_steps if streamed else plan_steps(spec.train, num_train, mean_length(self.data.train), iterations)
         warmup = spec.train.warmup_steps
         if warmup >= self.total_steps > 0 and warmup > 0:
             fabric.print(f"warmup: --train.warmup_steps {warmup} is at least the run's {self.total_steps} steps, so the learning rate peaks at "
                          f"{self.total_steps / warmup:.0%} of --train.learning_rate and never decays; lower --train.warmup_steps")
+        return resume_from, num_train
+
+    def claim_out_dir(self) -> None:
+        """out_dir claimed once every input passed (litft.run.outdir), the run's config logged, the folder seen by every rank."""
+        on_rank_zero(self.fabric, lambda: self.out.claim(self.spec.recorded), "writing the run's config")
+        log_config(self.fabric, self.spec.recorded)
+        check_shared_out_dir(self.fabric, self.spec.out_dir)
+
+    def build(self) -> None:
+        """The model as the plan says, built on the meta device, filled and wrapped by the strategy; the first screen's lines."""
+        spec, fabric, plan = self.spec, self.fabric, self.plan
         self.watch.at(0, "building the model")
         fabric.seed_everything(spec.seed, verbose=False)
-        attention = self.attention
-        fabric.print(describe_attention(attention, fabric.device.type, self.precision))
-        packed_by = boundary_kernels(self.config, fabric.device.type, attention in PACKED_SAFE)  # empty for attention-only models
-        if carries_state(self.config):
-            fabric.print(describe_recurrent(self.config, packed_by))
-        fabric.print(self.compiling.line())
-        liger = choose_kernels(spec.kernels, fabric.device.type)
-        fabric.print(describe_kernels(spec.kernels, liger))
+        for line in plan.lines(self.config):
+            fabric.print(line)
         self.lm, fill, on_device = build_module(
-            source, self.precision, spec.lora, spec.train, self.total_steps, random_init=spec.random_init, seed=spec.seed,
-            device=fabric.device, strategy=self.strategy, attention=attention, compile=self.compiling.enabled, fp8=spec.fp8, config=self.config,
-            liger=liger, objective=spec.objective,
+            resolve_model(spec.model), plan, spec.lora, spec.train, self.total_steps, self.objective, random_init=spec.random_init,
+            seed=spec.seed, device=fabric.device, strategy=self.strategy, config=self.config,
         )
-        if spec.fp8 is not None:
-            fabric.print(describe_fp8(spec.fp8, self.lm.model.fp8_layers, self.lm.hf_model))
+        if plan.fp8 is not None:
+            fabric.print(describe_fp8(plan.fp8, self.lm.model.fp8_layers, self.lm.hf_model))
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
-        self.generation = Generation(fabric, self.module, self.tokenizer, self.context)  # evaluation's answers, RL's rollouts
         keep_rotary_fp32(self.lm)
-        experts = describe_experts(self.lm.hf_model, fabric.device.type, compute_dtype(self.precision))
+        self.lm.keep_samples_apart_in_kernels(plan.rows == PACKED_WITH_BOUNDARIES)
+        self.padding_free = plan.padding_free
+        self.generation = Generation(fabric, self.module, self.tokenizer, self.context)  # evaluation's answers, RL's rollouts
+        experts = describe_experts(self.lm.hf_model, fabric.device.type, plan.compute_dtype)
         if experts:
             fabric.print(experts)
         self.expert_load = ExpertLoad.of(self.lm.hf_model)  # tokens per expert, logged as the router's balance
-        model = self.lm.model
+        model, data = self.lm.model, self.data
+        streamed = isinstance(data.train, StreamSource)
         fabric.print(
             f"{spec.job}: {sum(self.strategy.numel(p) for p in model.parameters()):,} parameters, "
             f"{sum(self.strategy.numel(p) for p in model.parameters() if p.requires_grad):,} trained; "
-            f"{'streamed' if streamed else num_train} train / {len(data.val)} val {self.lm.objective.unit}; world size {fabric.world_size}; precision {self.precision}"
+            f"{'streamed' if streamed else len(data.train)} train / {len(data.val)} val {self.objective.unit}; world size {fabric.world_size}; "
+            f"precision {self.precision}"
         )
-        if self.lm.objective.summary():
-            fabric.print(self.lm.objective.summary())
+        if self.objective.summary():
+            fabric.print(self.objective.summary())
+
+    def restore(self, resume_from: Optional[Path], num_train: int) -> Optional[dict]:
+        """The checkpointer, and the checkpoint resumed into the model, optimizer, scheduler and loop state, where there is one."""
+        fabric, spec = self.fabric, self.spec
         self.checkpointer = Checkpointer(
             fabric, self.strategy, self.lm, self.optimizer, self.scheduler, spec.out_dir, spec.train, self._meta(num_train), spec.recorded,
         )
@@ -215,32 +214,34 @@ class Trainer:
             continue_logs(fabric, self.state.step)
             fabric.print(f"resumed from {resume_from}: step {self.state.step} of {self.total_steps}, {self.state.tokens:,} tokens seen")
         self.start_step = self.stops.start_step = self.state.step
-        # Samples end to end in one row, no padding computed; a sample per row where layers carry state (litft.model.recurrent).
-        self.lm.keep_samples_apart_in_kernels(bool(packed_by))
-        self.padding_free = self.attention in PACKED_SAFE and not self.lm.whole_rows
-        self.lm.objective.prepare(self, resume_from if position is not None else None)  # a reference's scores, where it needs them
-        train = spec.train
+        return position
+
+    def make_batches(self, num_train: int, resumed: Optional[Path]):
+        """The loop's source of step batches: the objective's own (RL's rollouts), a stream's, or the data's in seeded order."""
+        spec, data, train = self.spec, self.data, self.spec.train
         # The ranks of a context group take the same samples: between them they are one data-parallel rank.
-        rank, world, pad, pin = self.context.data_rank, self.context.data_world, self.tokenizer.pad_token_id, fabric.device.type == "cuda"
-        if streamed:
-            self.batches = data.train.step_batches(
-                train.global_batch_size, train.micro_batch_size, rank, world, pad, pin, self.padding_free, self.context.split
-            )
-        else:
-            order = SampleOrder(num_train, train.global_batch_size, train.micro_batch_size, rank, world, spec.seed)
-            self.batches = self.lm.objective.step_batches(self) or StepBatches(
-                data.train, order, pad, self.padding_free, pin=pin, split=self.context.split)
+        rank, world, pad, pin = self.context.data_rank, self.context.data_world, self.tokenizer.pad_token_id, self.fabric.device.type == "cuda"
+        if isinstance(data.train, StreamSource):
+            return data.train.step_batches(train.global_batch_size, train.micro_batch_size, rank, world, pad, pin, self.padding_free,
+                                           self.context.split)
+        own = self.objective.step_batches(self, resumed)
+        if own is not None:
+            return own
+        order = SampleOrder(num_train, train.global_batch_size, train.micro_batch_size, rank, world, spec.seed)
+        return StepBatches(data.train, order, pad, self.padding_free, pin=pin, split=self.context.split)
+
+    def make_meters(self) -> None:
+        spec, fabric, train = self.spec, self.fabric, self.spec.train
         self.cadence = Cadence(self.total_steps, spec.eval, train.save_interval, train.max_tokens)
-        self.flops = StepFlops.for_run(
-            self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print,
-            reference_forwards=self.lm.objective.reference_forwards,
-        )
+        self.flops = StepFlops.for_run(self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print,
+                                       reference_forwards=self.objective.reference_forwards)
         self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step,
-                               compiled=CompileStats(self.lm.compiled_kinds) if self.compiling.enabled else None, objective=self.lm.objective)
+                               compiled=CompileStats(self.lm.compiled_kinds) if self.plan.compile.enabled else None, objective=self.objective)
         samples = spec.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
         self.sample_log = SampleLog(samples if train.record_sample_ids else None)
         profiles = spec.out_dir / "logs" / "profile"
-        self.profiler = StepProfiler(spec.profile, profiles, fabric.global_rank, fabric.device, self.start_step, self.total_steps, self.meter.progress.message)
+        self.profiler = StepProfiler(spec.profile, profiles, fabric.global_rank, fabric.device, self.start_step, self.total_steps,
+                                     self.meter.progress.message)
         self.profiler.after(self.start_step)
 
     def write_plot(self) -> None:
@@ -249,16 +250,13 @@ class Trainer:
             logs = self.spec.out_dir / "logs"
             plot_losses(logs / "csv" / "metrics.csv", logs / "loss.png")
 
-    def _record_config(self) -> None:
-        self.spec.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.spec.out_dir / RUN_CONFIG).write_text(yaml.safe_dump(self.spec.recorded, sort_keys=False))
-
     def _meta(self, num_train: int) -> CheckpointMeta:
         """What this run's checkpoints record about it, and what a checkpoint must match to be resumed here."""
         spec = self.spec
+        lm = getattr(self, "lm", None)  # before the build, everything but the trained shapes
         return CheckpointMeta(
             job=spec.job, model=spec.model, quantize=spec.lora.quantize if spec.lora else None, **self.strategy.checkpoint_fields(),
-            model_fingerprint=CheckpointMeta.fingerprint(self.lm.hf_model.config), trained_shapes=self.strategy.trained_shapes(self.lm),
+            model_fingerprint=CheckpointMeta.fingerprint(self.config), trained_shapes=None if lm is None else self.strategy.trained_shapes(lm),
             global_batch_size=spec.train.global_batch_size, num_train_samples=num_train, seed=spec.seed,
         )
 
@@ -304,7 +302,7 @@ class Trainer:
 
     def _export(self, exports: List[Tuple[str, Path]]) -> None:
         """From the final checkpoint, block by block: no rank gathers the whole model."""
-        dtype = DTYPE_NAMES[param_dtype(self.precision)]
+        dtype = DTYPE_NAMES[self.plan.param_dtype]
         for what, folder in exports:
             export(self.checkpointer.last_path, folder, merge_lora=what != "adapter", dtype=dtype)
 
@@ -321,3 +319,7 @@ def run_job(spec: RunSpec) -> RunResult:
     finally:
         close_loggers(trainer.fabric, failed)
         leave_process_group(trainer.fabric, failed)
+        if failed and trainer.fabric.global_rank == 0:
+            undone = trainer.out.release()  # a start that saved no checkpoint leaves out_dir as it found it
+            if undone:
+                print(undone, file=sys.stderr, flush=True)

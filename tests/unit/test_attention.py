@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from litft.model import attention
 
 from litft.model import varlen
-from litft.model.attention import SEGMENTS, choose
+from litft.model.attention import SEGMENTS
 from litft.model.varlen import VarlenKernel
 from litft.config import TrainArgs
 from litft.objectives import next_token
@@ -90,18 +90,6 @@ def test_packed_rows_are_kept_apart_without_a_mask(tiny_dir, sdpa_calls, monkeyp
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(packed_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_auto_keeps_packed_samples_apart_on_the_cpu(monkeypatch):
-    assert choose("auto", "cpu") == SEGMENTS
-    assert choose("sdpa", "cpu") == "sdpa"
-    with pytest.raises(LitftError, match="--attn_implementation flash_attention_3 is unknown"):
-        choose("flash_attention_3", "cpu")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
-    assert choose("auto", "cuda", "bf16-mixed") == "flash_attention_2"
-    assert choose("auto", "cuda", "32-true") == SEGMENTS  # FlashAttention-2 refuses fp32
-    with pytest.raises(LitftError, match="flash_attention_2 takes fp16/bf16 only"):
-        choose("flash_attention_2", "cuda", "32-true")
 
 
 real_find_spec = importlib.util.find_spec
@@ -186,25 +174,6 @@ def test_segments_attention_without_position_ids_is_plain_causal(tiny_dir):
         expected = tiny_lm(tiny_dir, "sdpa").model(ids).logits
         got = tiny_lm(tiny_dir, SEGMENTS).model(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_liger_kernels_only_where_they_run(monkeypatch):
-    import importlib.util
-
-    from litft.model.kernels import choose_kernels
-
-    installed = importlib.util.find_spec("liger_kernel") is not None
-    assert choose_kernels("auto", "cpu") is False and choose_kernels("none", "cuda") is False
-    with pytest.raises(LitftError, match="--kernels liger"):
-        choose_kernels("liger", "cpu")
-    assert choose_kernels("auto", "cuda") is installed
-    if installed:
-        assert choose_kernels("liger", "cuda") is True
-    from litft.model.kernels import describe_kernels
-
-    assert "auto: a GPU with liger-kernel" in describe_kernels("auto", True)
-    assert "--kernels liger" in describe_kernels("liger", True)
-    assert "--kernels none" in describe_kernels("none", False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's kernels are Triton GPU kernels")

@@ -1,5 +1,5 @@
 """litft's house: a few modules at the top and packages by concern, in an order no import climbs (at any place in a file,
-TYPE_CHECKING blocks included), with no import circle in litft/ or benchmarks/."""
+TYPE_CHECKING blocks included), with no import circle in litft/ or benchmarks/ and no function past 60 lines."""
 
 import ast
 from pathlib import Path
@@ -13,6 +13,7 @@ ORDER = (
     "data", "model", "checkpoint", "launch", "parallel", "rl", "objectives", "run", "cli", "estimate", "__main__",
 )
 TOP_LEVEL_LIMIT = 8  # modules beside the packages, __init__ and __main__ not counted
+LONGEST_FUNCTION = 60
 
 
 def module_imports(package: Path = PACKAGE, prefix: str = "litft") -> dict:
@@ -87,8 +88,14 @@ def test_benchmarks_import_no_circle():
     assert cycles_of(graph) == []
 
 
-def test_a_few_modules_at_the_top_and_each_package_says_its_concern():
+def test_a_few_modules_at_the_top_each_package_says_its_concern_and_no_function_runs_past_60_lines():
     top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
     assert len(top) <= TOP_LEVEL_LIMIT, top
     for package in (p for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()):
         assert ast.get_docstring(ast.parse((package / "__init__.py").read_text())), f"{package.name}/__init__.py says its concern"
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert long == []

@@ -119,7 +119,7 @@ def test_train_step_reads_nothing_back_from_the_device_but_on_log_steps():
     trainer = SimpleNamespace(
         fabric=fabric, strategy=strategy, spec=SimpleNamespace(train=train), state=LoopState(), scheduler=SimpleNamespace(step=lambda: None),
         optimizer=SimpleNamespace(param_groups=[{"lr": 0.1}]),
-        module=SimpleNamespace(training_step=lambda batch: torch.tensor(2.0).as_subclass(OnDevice)), lm=SimpleNamespace(take_router_aux=lambda: None, objective=Supervised(ObjectiveArgs(), lora=False)), expert_load=None,
+        module=SimpleNamespace(training_step=lambda batch: torch.tensor(2.0).as_subclass(OnDevice)), lm=SimpleNamespace(take_router_aux=lambda: None), objective=Supervised(ObjectiveArgs(), lora=False), expert_load=None,
         meter=StepMeter(fabric, strategy, train, flops=None, total_steps=6, start_step=0), profiler=SimpleNamespace(after=lambda step: None),
     )
     batch = StepBatch(micro=[{}, {}], targets=4, tokens=10, samples=2, flops=0.0)
@@ -164,19 +164,3 @@ def test_generation_runs_compiled_blocks_eagerly_and_compiles_nothing_new(monkey
     assert counters["frames"]["total"] == frames
     block(x)
     assert counters["frames"]["total"] == frames
-
-
-def test_compile_auto_compiles_only_where_it_measured_faster():
-    """auto: eager on the CPU and on CUDA (compiled blocks ran slower there, docs/speed.md), compiled with FP8, whose casts
-    inductor fuses; a blocker turns auto off and refuses --compile true in one line."""
-    from litft.model.compiling import choose
-
-    assert not choose("auto", "cpu", True, "fsdp").enabled
-    assert not choose("auto", "cpu", True, "fsdp", fp8="tensorwise").enabled
-    eager = choose("auto", "cuda", True, "fsdp")
-    assert not eager.enabled and "docs/speed.md" in eager.line()
-    assert choose("auto", "cuda", True, "fsdp", fp8="rowwise").line().startswith("compile: on (auto with --fp8 rowwise")
-    assert choose("true", "cuda", True, "fsdp").enabled and not choose(False, "cuda", True, "fsdp").enabled
-    assert not choose("auto", "cuda", False, "DeepSpeed", fp8="tensorwise").enabled
-    with pytest.raises(LitftError, match="--compile true is not supported with --quantize nf4"):
-        choose("true", "cuda", True, "fsdp", quantize="nf4")

@@ -198,15 +198,14 @@ def test_grpo_flags_are_checked_in_one_line():
         (dict(answer_pattern="(unclosed"), "--objective.answer_pattern '\\(unclosed' is not a regular expression"),
     ]:
         with pytest.raises(LitftError, match=message):
-            ObjectiveArgs(name="grpo", **args).check(lora=True)
-    with pytest.raises(LitftError, match="finetune_full keeps no frozen copy"):
-        ObjectiveArgs(name="grpo", beta=0.1).check(lora=False)
+            ObjectiveArgs(name="grpo", **args).check()
     assert math.isclose(ObjectiveArgs(name="grpo").effective_beta, 0.0)
 
 
 def test_the_estimate_counts_a_groups_kv_cache_as_generate_holds_it(tiny_dir, capsys):
-    """The sampling row of ``litft estimate --objective grpo`` is the KV cache transformers' generate keeps for one prompt's
-    group (measured on litft-tiny), plus the last position's logits; the trace runs the GRPO loss with the sampler's log-probs."""
+    """The sampling row of ``litft estimate --objective grpo`` is the KV cache transformers' generate keeps for a call's
+    groups (measured on litft-tiny for one), plus the sampler's vocabulary-wide rows; the trace runs the GRPO loss with the
+    sampler's log-probs."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -220,16 +219,18 @@ def test_the_estimate_counts_a_groups_kv_cache_as_generate_holds_it(tiny_dir, ca
                          return_dict_in_generate=True, pad_token_id=0)
     cache = out.past_key_values
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    objective = build_objective(ObjectiveArgs(name="grpo", group_size=group), lora=True)
+    objective = build_objective(ObjectiveArgs(name="grpo", group_size=group, max_new_tokens=new), lora=True)
     logits = 4 * group * model.config.vocab_size * 4
     # generate does not run the last sampled token through the model: the cache holds one position fewer than the row
-    assert objective.generation_bytes(model.config, prompt + new - 1, 4) - logits == held
+    assert objective.generation_bytes(model.config, prompt, 4) - logits == held
+    assert objective.generation_bytes(model.config, prompt, 4, prompts=3) - 3 * logits == 3 * held  # a call of three groups
 
     capsys.readouterr()
     main(["estimate", str(tiny_dir), "--job", "finetune_lora", "--objective", "grpo", "--objective.group_size", "8",
           "--objective.iterations", "2", "--seq_len", "64", "--train.micro_batch_size", "4", "--precision", "32-true", "--json", "true"])
     plan = json.loads(capsys.readouterr().out)
-    expected = build_objective(ObjectiveArgs(name="grpo", group_size=8), lora=True).generation_bytes(model.config, 64, 4)
+    # 32 prompts a step on one rank (the default global batch): 16 prompts' groups per generate call, each prompt 64 tokens
+    expected = build_objective(ObjectiveArgs(name="grpo", group_size=8), lora=True).generation_bytes(model.config, 64, 4, prompts=16)
     assert plan["per_rank"]["generation"]["gpu"] == expected and plan["activations"]["peak"] > 0
 
 

@@ -38,3 +38,21 @@ def test_loss_plot_is_drawn_once_there_is_a_loss_and_redrawn(tmp_path):
     second = imread(png)
     assert first.shape == second.shape == (450, 800, 4) and (first != second).any()
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".png"] == ["loss.png"]  # no partial file left behind
+
+
+def test_an_rl_runs_plot_shows_its_rewards_not_its_losses(tmp_path, monkeypatch):
+    """Under GRPO the loss is near 0 by construction: the plot draws the rollouts' mean reward and the held-out reward."""
+    import matplotlib.axes
+
+    drawn = []
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, *a, **k: drawn.append(k.get("label")) or real(self, *a, **k))
+    log, png = tmp_path / "metrics.csv", tmp_path / "loss.png"
+    fields = ["step", "loss", "lr", "reward_mean", "val_reward"]
+    with open(log, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows([{"step": 0, "val_reward": 0.1}, *({"step": s, "loss": 0.0, "lr": 1e-3, "reward_mean": s / 10} for s in range(1, 5)),
+                          {"step": 4, "val_reward": 0.4}])
+    assert plot_losses(log, png)
+    assert drawn == ["rollouts' mean reward", "held-out reward (greedy)", "learning rate"]

@@ -28,6 +28,25 @@ def zero_buckets(stage: int, hidden_size: int) -> dict:
     return buckets
 
 
+def users_config(path, ours: dict, layout: Layout) -> dict:
+    """The user's ``--deepspeed.config`` file, its batch sizes and clipping filled in from litft's flags where it says "auto"."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise LitftError(f"--deepspeed.config {path} is not valid JSON (line {err.lineno}: {err.msg})") from None
+    for key, value in ours.items():
+        given = config.get(key, "auto")
+        if given != "auto" and given != value:
+            why = ""
+            if key == "train_batch_size" and layout.context_parallel > 1:
+                why = " (DeepSpeed counts each sample once per rank of a --context_parallel group)"
+            raise LitftError(
+                f"--deepspeed.config sets {key} to {given} but litft's flags give {value}{why}; set it to \"auto\" or change the flags"
+            )
+        config[key] = value
+    return config
+
+
 def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, layout: Layout, precision: str, hidden_size: Optional[int] = None) -> dict:
     """DeepSpeed's config from litft's flags, or the user's file with its "auto" values filled in.
 
@@ -47,20 +66,7 @@ def deepspeed_config(args: DeepSpeedArgs, train: TrainArgs, layout: Layout, prec
         "gradient_clipping": train.max_norm or 0.0,
     }
     if args.config is not None:
-        try:
-            config = json.loads(Path(args.config).read_text())
-        except json.JSONDecodeError as err:
-            raise LitftError(f"--deepspeed.config {args.config} is not valid JSON (line {err.lineno}: {err.msg})") from None
-        for key, value in ours.items():
-            given = config.get(key, "auto")
-            if given != "auto" and given != value:
-                why = ""
-                if key == "train_batch_size" and layout.context_parallel > 1:
-                    why = " (DeepSpeed counts each sample once per rank of a --context_parallel group)"
-                raise LitftError(
-                    f"--deepspeed.config sets {key} to {given} but litft's flags give {value}{why}; set it to \"auto\" or change the flags"
-                )
-            config[key] = value
+        config = users_config(args.config, ours, layout)
     else:
         zero = {"stage": args.stage}
         for key, where in (("offload_optimizer", args.offload_optimizer), ("offload_param", args.offload_parameters)):
