@@ -139,6 +139,8 @@ def plan_memory(flags: dict) -> dict:
     buffers = buffers_of(states, tensors, flags["quantize"], itemsize, experts if layout.expert_parallel > 1 else None)
     # RL samples between steps, while the step's activations are freed: counted as max(sampling, activations).
     generation = built.generation_bytes(config, flags["seq_len"], itemsize, prompts_per_call(flags, objective, layout))
+    if generation and strategy.gathers_weights_for(layout):  # FSDP and ZeRO-3 gather the whole model once for each generate call
+        generation += int(sum(t.numel * (t.itemsize if t.quantized else itemsize) for t in tensors) - states.params.gpu)
     report = {
         "model": flags["model"], "job": flags["job"], **strategy.facts(layout, precision), "world_size": layout.world_size,
         "precision": precision, "quantize": flags["quantize"], "micro_batch_size": train.micro_batch_size, "objective": objective.name,
@@ -305,8 +307,8 @@ def rows(plan: dict) -> List[str]:
     if step["gpu"] or step["cpu"]:
         line("optimizer step (temporary)", step, "while activations are freed: counted as max(step, activations + buffers)")
     if rank.get("generation", {}).get("gpu"):
-        line("sampling (between steps)", rank["generation"], "a generate call's KV cache and sampler rows, while activations are freed: "
-             "counted as their max")
+        line("sampling (between steps)", rank["generation"], "a generate call's KV cache, sampler rows and (sharded) the rest of the "
+             "model gathered, while activations are freed: counted as their max")
     total = plan["total"]
     lines.append("-" * 54)
     lines.append(f"{'peak':<34}{_gib(total['gpu'])}  {_gib(total['cpu'])}")

@@ -185,7 +185,9 @@ class Trainer:
         keep_rotary_fp32(self.lm)
         self.lm.keep_samples_apart_in_kernels(plan.rows == PACKED_WITH_BOUNDARIES)
         self.padding_free = plan.padding_free
-        self.generation = Generation(fabric, self.module, self.tokenizer, self.context)  # evaluation's answers, RL's rollouts
+        # Evaluation's answers and RL's rollouts, the weights gathered once per generate call where the strategy shards them.
+        self.generation = Generation(fabric, self.module, self.tokenizer, self.context,
+                                     weights=lambda: self.strategy.generation_weights(self.module))
         experts = describe_experts(self.lm.hf_model, fabric.device.type, plan.compute_dtype)
         if experts:
             fabric.print(experts)

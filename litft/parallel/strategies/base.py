@@ -7,6 +7,7 @@ wraps and fills the model, steps the optimizer, counts what a rank holds, saves
 and loads the training state, and describes its per-rank memory to the estimate.
 """
 
+import contextlib
 from pathlib import Path
 from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
@@ -110,6 +111,16 @@ class TrainingStrategy:
         """Whether each rank gathers whole weights for a use and drops them after (FSDP, ZeRO-3): the transients that
         decide a sharded run's peak, which on the CPU must leave resident memory when freed (litft.device)."""
         return False
+
+    @classmethod
+    def gathers_weights_for(cls, layout: Layout) -> bool:
+        """Whether this layout's ranks hold a share of the weights that generation gathers whole (the estimate's count)."""
+        return False
+
+    def generation_weights(self, module):
+        """A context held around a whole generate call (or a cycle's calls) in which the weights are whole for its every
+        decode step; here (one device, DDP) they always are."""
+        return contextlib.nullcontext()
 
     @property
     def host_device(self) -> str:

@@ -8,7 +8,7 @@ layout, the same as every other strategy's (``deepspeed_state``).
 import argparse
 import importlib.util
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -103,6 +103,36 @@ class DeepSpeed(TrainingStrategy):
     @property
     def gathers_weights(self) -> bool:
         return self.stage == 3
+
+    @classmethod
+    def gathers_weights_for(cls, layout: Layout) -> bool:
+        return int(cls.zero_section(layout, "32-true").get("stage", 0)) == 3 and layout.world_size > 1
+
+    @contextmanager
+    def generation_weights(self, module):
+        """ZeRO-3: every partitioned weight gathered once for the whole generate call, with the engine's per-module fetch and
+        release hooks lifted meanwhile (they would partition each module's weights again after its forward, and gather them
+        again at the next decode step), where the whole model fits beside what the device holds; else as it trains."""
+        engine = self.fabric.strategy.model
+        offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+        # The hooks' registration: _register_deepspeed_module since DeepSpeed 0.16.4, _register_hooks_recursively before.
+        register = getattr(offload, "_register_deepspeed_module", None) or getattr(offload, "_register_hooks_recursively", None)
+        if self.stage != 3 or register is None or not whole_model_fits(engine.module, self.fabric.device):
+            yield
+            return
+        import deepspeed
+
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            for hook in offload.forward_hooks + offload.backward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            for param in params:
+                param.ds_active_sub_modules.clear()
+            try:
+                yield
+            finally:
+                register(offload.module, count=[0])  # the same module ids as the first registration
 
     @classmethod
     def check(cls, layout: Layout, accelerator: str, precision: str) -> None:
@@ -272,3 +302,13 @@ class DeepSpeed(TrainingStrategy):
             low = compute_dtype(precision)
             return (lambda p: low), None  # DeepSpeed casts the module; Fabric adds no autocast
         return super().compute_view(layout, precision)
+
+
+def whole_model_fits(model: torch.nn.Module, device: torch.device, share: float = 0.8) -> bool:
+    """Whether every parameter gathered whole fits in ``share`` of the device's free memory (always on the CPU, whose
+    memory the estimate and the host's limits govern)."""
+    if device.type != "cuda":
+        return True
+    whole = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
+    free, _ = torch.cuda.mem_get_info(device)
+    return whole <= share * free

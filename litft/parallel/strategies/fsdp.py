@@ -65,6 +65,17 @@ def shard_units(hf_model) -> List[torch.nn.Module]:
     return units
 
 
+def param_groups_of(unit) -> List:
+    """An FSDP2 unit's parameter groups, whose ``post_forward_mesh_info`` says whether they reshard after forward: a list in
+    torch 2.6 on, one group (or None) in 2.5; empty where this torch keeps them another way."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [group for group in groups if hasattr(group, "post_forward_mesh_info")]
+
+
 def chunk_rows(rows: int, size: int, rank: int) -> Tuple[int, int]:
     """The rows of dim 0 that ``torch.chunk`` gives ``rank`` of ``size``: FSDP2's shard, and the expert group's deal."""
     step = -(-rows // size)
@@ -278,6 +289,30 @@ class FSDP(TrainingStrategy):
         if self.layout.tensor_parallel > 1:
             sum_partial_gradients(module, self.mesh.tensor_group)
         return super().optimizer_step(module, optimizer, max_norm)
+
+    @classmethod
+    def gathers_weights_for(cls, layout: Layout) -> bool:
+        return cls.data_groups(layout)[1] > 1
+
+    @contextmanager
+    def generation_weights(self, module):
+        """Every unit gathered once for the whole generate call and resharded after, where FSDP2 gathered each one again at
+        every decode step: for the shipped 7B GRPO config on 8 ranks, about 15 GB gathered per generated token."""
+        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        groups = [group for unit in units for group in param_groups_of(unit)]
+        if not groups:  # a torch whose FSDP2 keeps its groups elsewhere: the units gather per decode step, as they train
+            yield
+            return
+        kept = [group.post_forward_mesh_info for group in groups]
+        for group in groups:
+            group.post_forward_mesh_info = None  # what reshard_after_forward=False sets: the unit stays whole after its forward
+        try:
+            yield
+        finally:
+            for group, info in zip(groups, kept):
+                group.post_forward_mesh_info = info
+            for unit in units:
+                unit.reshard()
 
     def clip_gradients(self, module, optimizer, max_norm: float):
         if self.layout.tensor_parallel == 1 and self.layout.expert_parallel == 1:
