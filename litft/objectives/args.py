@@ -61,6 +61,10 @@ class ObjectiveArgs:
     """GRPO: the probability ratio per token (GRPO, DAPO) or per completion from its mean log-prob ratio (GSPO)."""
     engine: Literal["auto", "transformers", "vllm"] = "auto"
     """GRPO: what samples the rollouts: transformers' generate on the trained weights, or vLLM inside each rank's process with the weights pushed after every step; auto: vLLM on a GPU where it is installed, else transformers."""
+    vllm_memory: float = 0.3
+    """GRPO with --objective.engine vllm on a GPU: the share of the device's memory vLLM takes for its weights and KV cache (vLLM's gpu_memory_utilization); it sleeps between rollouts, giving it back to training."""
+    is_cap: float = 2.0
+    """GRPO with an engine apart from the trained module (vllm): each token's loss is weighed by the ratio of the trainer's probability to the engine's, capped at this (truncated importance sampling, TRL's vllm_importance_sampling_cap)."""
     disable_dropout: bool = True
     """GRPO: set every dropout of the model and of LoRA's adapters to 0 (TRL's disable_dropout), so that the loss trains the policy that sampled; rollouts are sampled in eval mode either way."""
 
@@ -128,6 +132,10 @@ class ObjectiveArgs:
                 raise LitftError(f"{flag} {pattern!r} is not a regular expression ({err})") from None
         if self.effective_beta < 0:
             raise LitftError(f"--objective.beta is the KL weight, at least 0, got {self.beta}")
+        if not 0 < self.vllm_memory < 1:
+            raise LitftError(f"--objective.vllm_memory is a share of the device's memory in (0, 1), got {self.vllm_memory}")
+        if not (self.is_cap >= 1 and math.isfinite(self.is_cap)):
+            raise LitftError(f"--objective.is_cap caps an importance ratio and must be at least 1, got {self.is_cap}")
 
     def reference_precomputed(self, lora: bool) -> bool:
         """Whether the reference log-probs come from a pass before training (else from the base with the adapter off)."""

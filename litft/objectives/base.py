@@ -37,6 +37,7 @@ class Objective:
     def __init__(self, args: ObjectiveArgs, lora: bool):
         self.args, self.lora = args, lora
         self.pending: list = []  # each micro-batch's figures since the last take, on the device
+        self.maxima: list = []  # figures that are maxima, not sums (RL's largest importance ratio), since the last take
 
     # ------------------------------------------------------------ the data
 
@@ -76,8 +77,15 @@ class Objective:
         summed, self.pending = torch.stack(self.pending).sum(0), []
         return summed
 
-    def figures(self, summed: torch.Tensor, prefix: str = "") -> Dict[str, float]:
-        """The log's figures from the sum of every rank's ``take_figures``."""
+    def take_maxima(self) -> Optional[torch.Tensor]:
+        """The largest of each maximum figure since the last take (on the device), or None; emptied."""
+        if not self.maxima:
+            return None
+        largest, self.maxima = torch.stack(self.maxima).max(0).values.reshape(-1), []
+        return largest
+
+    def figures(self, summed: torch.Tensor, prefix: str = "", maxima: Optional[torch.Tensor] = None) -> Dict[str, float]:
+        """The log's figures from the sum of every rank's ``take_figures`` (and the largest of their ``take_maxima``)."""
         return {}
 
     def validation_figures(self, val_loss: float, summed: Optional[torch.Tensor]) -> Dict[str, float]:

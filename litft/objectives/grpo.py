@@ -33,7 +33,7 @@ from litft.rl.rollouts import RolloutBatches, held_out_reward
 
 ROLLOUT_STATS = ("rollout_steps", "prompts", "completions", "completion_tokens", "cut", "equal_groups", "entropy", "generation_s",
                  "reward", "reward_sq")
-LOSS_STATS = ("loss_tokens", "clipped_tokens", "kl", "ratio", "logprob_gap", "gap_tokens")
+LOSS_STATS = ("loss_tokens", "clipped_tokens", "kl", "ratio", "logprob_gap", "gap_tokens", "is_ratio", "is_capped", "is_tokens")
 
 
 def token_losses(logp: torch.Tensor, old: torch.Tensor, advantage: torch.Tensor, sequence: torch.Tensor, sequences: int, args: ObjectiveArgs,
@@ -122,17 +122,25 @@ class GroupRelative(Objective):
                 reference = lm.token_log_probs(batch, temperature)[0].float()
         sequences = len(batch["advantage"])
         losses, active, ratio = token_losses(logp, old, batch["advantage"].float(), targets["sequence"], sequences, self.args, reference)
+        correction = {}
+        if batch.get("engine_apart", False):  # sampled by another module (vLLM): weigh each token by policy / sampler, capped
+            raw = torch.exp(old.detach() - batch["engine_logp"].float())
+            weight = raw.clamp(max=self.args.is_cap)
+            losses = losses * weight
+            with torch.no_grad():
+                correction = dict(is_ratio=raw.double().sum(), is_capped=(raw > self.args.is_cap).double().sum(), is_tokens=float(len(raw)))
+                self.maxima.append(raw.max() if len(raw) else torch.zeros((), device=raw.device))
         with torch.no_grad():
             kl = torch.zeros((), device=logp.device) if reference is None else (torch.exp(reference - logp) - (reference - logp) - 1).sum()
             gap = {}
             if first and "engine_logp" in batch:  # with iterations above 1, litft.rl.rollouts compares the sampler's log-probs instead
                 gap = dict(logprob_gap=(batch["engine_logp"].float() - old).abs().double().sum(), gap_tokens=float(len(old)))
             self.add_figures(logp.device, loss_tokens=float(len(logp)), clipped_tokens=active.double().sum(), kl=kl.double(),
-                             ratio=ratio.double().sum(), **gap)
+                             ratio=ratio.double().sum(), **gap, **correction)
         loss = loss_sum_of(losses, targets["sequence"], sequences, self.args.loss_norm, self.args.max_new_tokens)
         return lm.with_router_aux(loss, aux, self.count(batch))
 
-    def figures(self, summed: torch.Tensor, prefix: str = "") -> Dict[str, float]:
+    def figures(self, summed: torch.Tensor, prefix: str = "", maxima: Optional[torch.Tensor] = None) -> Dict[str, float]:
         value = dict(zip(self.stats, summed.tolist()))
         out = {}
         completions = value["completions"]
@@ -157,6 +165,10 @@ class GroupRelative(Objective):
                 out["kl"] = value["kl"] / value["loss_tokens"]
         if value["gap_tokens"]:
             out["sampler_logprob_gap"] = value["logprob_gap"] / value["gap_tokens"]
+        if value["is_tokens"]:
+            out.update(is_ratio_mean=value["is_ratio"] / value["is_tokens"], is_capped_share=value["is_capped"] / value["is_tokens"])
+            if maxima is not None:
+                out["is_ratio_max"] = float(maxima[0])
         return {f"{prefix}{k}": v for k, v in out.items()}
 
     def validation_figures(self, val_loss: float, summed: Optional[torch.Tensor]) -> Dict[str, float]:

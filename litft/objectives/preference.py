@@ -199,7 +199,7 @@ class Preference(Objective):
         """Each pair's summed log-probs under the model as it is (the reference, scored before training)."""
         return sequence_log_probs(lm, batch)[0]
 
-    def figures(self, summed: torch.Tensor, prefix: str = "") -> Dict[str, float]:
+    def figures(self, summed: torch.Tensor, prefix: str = "", maxima: Optional[torch.Tensor] = None) -> Dict[str, float]:
         return figures_of(summed, prefix)
 
     def describe(self) -> str:

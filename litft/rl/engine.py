@@ -16,6 +16,7 @@ class Engine:
 
     name = "engine"
     shares_weights = True  # samples with the trained module itself: nothing to push, its log-probs are the trainer's
+    version = None  # the optimizer step whose weights it holds, where it holds its own
 
     def rollouts(self):
         """A context held around one cycle's ``sample`` calls (the trained weights gathered once for all of them)."""
@@ -28,6 +29,9 @@ class Engine:
 
     def sync(self, weights, version: int) -> None:
         """Take the trained weights after optimizer step ``version``."""
+
+    def close(self) -> None:
+        """Release the engine at the end of the run."""
 
     def sleep(self) -> None:
         """Give device memory back to training until ``wake``."""

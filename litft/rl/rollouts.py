@@ -17,7 +17,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from litft.data.prompts import columns_of, reward_view
 from litft.data.samples import IGNORE_INDEX
 from litft.errors import LitftError
 from litft.rl.engine import TransformersEngine
+from litft.rl.vllm_engine import VLLMEngine, kv_cache_gib, served_weights
 from litft.rl.rewards import group_advantages, score_completions, weighted_sum
 
 ROLLOUTS_FILE = "rollouts.pt"  # a cycle's rollouts in a checkpoint cut inside it (--objective.iterations above 1)
@@ -74,8 +75,10 @@ class RolloutBatches:
     """
 
     def __init__(self, *, objective, engine, generation, lm, prompts, order: SampleOrder, place, tokenizer, fabric, micro_batch_size: int,
-                 padding_free: bool, seed: int, rollouts_dir: Path, context_limit: Optional[int] = None):
+                 padding_free: bool, seed: int, rollouts_dir: Path, context_limit: Optional[int] = None,
+                 weights: Optional[Callable[[], Iterator]] = None):
         self.objective, self.args, self.engine, self.generation, self.lm = objective, objective.args, engine, generation, lm
+        self.weights = weights  # the trained weights, whole, a tensor at a time: what an engine of its own is given each cycle
         self.prompts, self.order, self.place, self.tokenizer, self.fabric = prompts, order, place, tokenizer, fabric
         self.pad = tokenizer.pad_token_id
         self.together = self.args.generation_batch or next(n for n in (16, 8, 4, 2, 1) if order.micro_batch_size % n == 0)
@@ -92,12 +95,13 @@ class RolloutBatches:
         spec, place = trainer.spec, trainer.context
         per_rank = spec.train.global_batch_size // place.data_world
         order = SampleOrder(len(trainer.data.train), spec.train.global_batch_size, per_rank, place.data_rank, place.data_world, spec.seed)
-        args = objective.args
-        engine = TransformersEngine(trainer.generation, args.max_new_tokens, args.temperature, args.top_p)
-        batches = cls(objective=objective, engine=engine, generation=trainer.generation, lm=trainer.lm, prompts=trainer.data.train,
+        lm, strategy = trainer.lm, trainer.strategy
+        engine = make_engine(trainer, objective, per_rank)
+        batches = cls(objective=objective, engine=engine, generation=trainer.generation, lm=lm, prompts=trainer.data.train,
                       order=order, place=place, tokenizer=trainer.tokenizer, fabric=trainer.fabric,
                       micro_batch_size=spec.train.micro_batch_size, padding_free=trainer.padding_free, seed=spec.seed,
-                      rollouts_dir=spec.out_dir / "rollouts", context_limit=getattr(trainer.config, "max_position_embeddings", None))
+                      rollouts_dir=spec.out_dir / "rollouts", context_limit=getattr(trainer.config, "max_position_embeddings", None),
+                      weights=lambda: served_weights(lm.hf_model, strategy.whole_weights(lm)))
         stored = resumed / ROLLOUTS_FILE if resumed is not None else None
         if stored is not None and stored.is_file():
             batches.load_state_dict(torch.load(stored, weights_only=True))
@@ -171,7 +175,10 @@ class RolloutBatches:
             groups = [{"logprobs": [t.tolist() for t in stored[index]["old_logp"]], **stored[index]} for index in mine]
             entropy = 0.0
         else:
+            if not self.engine.shares_weights and self.engine.version != first_step:
+                self.engine.sync(self.weights(), first_step)  # the weights of every optimizer step before this cycle
             groups, entropy = self.sample(epoch, cycle, chunks)
+            self.engine.sleep()  # a GPU engine's memory back to training until the next cycle
         generation_s = time.perf_counter() - started
         try:
             rewards, by_function = self.score(mine, groups)
@@ -198,8 +205,10 @@ class RolloutBatches:
             batch = collate(samples[start : start + self.micro_batch_size], self.pad, self.padding_free)
             batch["targets"]["sequence"] = sequence_of(batch["targets"]["index"], batch["position_ids"])
             batch["advantage"] = torch.tensor(per_sample[start : start + self.micro_batch_size], dtype=torch.float32)
-            # The engine's log-prob of each target token (targets are in sample order, a completion's tokens each).
+            # The engine's log-prob of each target token (targets are in sample order, a completion's tokens each), and whether the
+            # engine is another module than the trained one (its log-probs then weigh the loss: truncated importance sampling).
             batch["engine_logp"] = torch.cat(engine_logps[start : start + self.micro_batch_size])
+            batch["engine_apart"] = not self.engine.shares_weights
             micro.append(batch)
         if args.iterations > 1:
             self.sampler_log_probs(micro, mine, groups, stored)
@@ -312,3 +321,21 @@ def held_out_reward(trainer, objective) -> Optional[Dict[str, float]]:
     for k, name in enumerate(objective.rewards):
         out[f"val_reward/{name}"] = values[2 + 2 * k] / max(values[3 + 2 * k], 1.0)
     return out
+
+
+def make_engine(trainer, objective, per_rank: int):
+    """The rollout engine the run plan chose: transformers' generate on the trained module, or vLLM in this rank's process."""
+    args = objective.args
+    if trainer.plan.engine != "vllm":
+        return TransformersEngine(trainer.generation, args.max_new_tokens, args.temperature, args.top_p)
+    from litft.model.loading import resolve_model
+
+    longest = max(len(sample["input_ids"]) for sample in trainer.data.train)
+    max_model_len = longest + args.max_new_tokens
+    together = args.generation_batch or next(n for n in (16, 8, 4, 2, 1) if per_rank % n == 0)
+    itemsize = torch.tensor([], dtype=trainer.plan.compute_dtype).element_size()
+    return VLLMEngine(model=resolve_model(trainer.spec.model), stops=trainer.generation.stops, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_p=args.top_p, max_model_len=max_model_len, dtype=trainer.plan.compute_dtype,
+                      device=trainer.fabric.device, memory=args.vllm_memory,
+                      kv_cache_gib=kv_cache_gib(trainer.config, together * args.group_size, max_model_len, itemsize),
+                      world_size=trainer.fabric.world_size, rank=trainer.fabric.global_rank, local_rank=trainer.fabric.local_rank)

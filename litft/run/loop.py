@@ -137,7 +137,8 @@ def train_step(trainer, batch: StepBatch) -> None:
     state.tokens, state.samples = state.tokens + batch.tokens, state.samples + batch.samples
     # The loss and the norm stay on the device until a log step reads them.
     metrics = trainer.meter.after_step(state, loss_sum, lr, grad_norm, batch, module, optimizer, router_aux=trainer.lm.take_router_aux(),
-                                       expert_load=trainer.expert_load, figures=trainer.objective.take_figures())
+                                       expert_load=trainer.expert_load, figures=trainer.objective.take_figures(),
+                                       maxima=trainer.objective.take_maxima())
     if "loss" in metrics and not math.isfinite(metrics["loss"]):  # a log step's loss is the global one: every rank stops here
         raise not_finite(float(state.first_nonfinite) if math.isfinite(float(state.first_nonfinite)) else state.step)
     state.history.append(metrics)

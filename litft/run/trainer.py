@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import lightning_fabric as L
+import torch
 from lightning_fabric.plugins.environments import LightningEnvironment
 
 from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
@@ -302,6 +303,15 @@ class Trainer:
         final_dir = exports[-1][1] if exports else None
         return RunResult(model=model, history=state.history, out_dir=spec.out_dir, final_dir=final_dir)
 
+    def close_engine(self, failed: bool) -> None:
+        """A rollout engine of the run's own (vLLM) shut down once every rank is done with the process group it tears down."""
+        engine = getattr(getattr(self, "batches", None), "engine", None)
+        if engine is None or engine.shares_weights:
+            return
+        if not failed and self.fabric.world_size > 1:
+            torch.distributed.barrier()
+        engine.close()
+
     def _export(self, exports: List[Tuple[str, Path]]) -> None:
         """From the final checkpoint, block by block: no rank gathers the whole model."""
         dtype = DTYPE_NAMES[self.plan.param_dtype]
@@ -320,6 +330,7 @@ def run_job(spec: RunSpec) -> RunResult:
         return result
     finally:
         close_loggers(trainer.fabric, failed)
+        trainer.close_engine(failed)
         leave_process_group(trainer.fabric, failed)
         if failed and trainer.fabric.global_rank == 0:
             undone = trainer.out.release()  # a start that saved no checkpoint leaves out_dir as it found it

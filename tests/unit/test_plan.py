@@ -49,6 +49,8 @@ def test_what_the_plan_decides_follows_the_machine_and_the_model():
     assert RunPlan.decide(Facts(**rl)).engine == "transformers"
     assert RunPlan.decide(Facts(**rl, **gpu)).engine == "vllm"  # auto: vLLM on a GPU where it is installed
     assert RunPlan.decide(Facts(**rl, **gpu, engine="transformers")).engine == "transformers"
+    assert RunPlan.decide(Facts(**rl, **gpu, experts=True)).engine == "transformers"  # auto takes what vLLM can be handed
+    assert RunPlan.decide(Facts(**rl, **gpu, quantize="bnb.nf4", lora=True)).engine == "transformers"
     assert "compile: off (auto: not with --objective grpo" in RunPlan.decide(Facts(**rl, **gpu)).compile.line()
     with pytest.raises(LitftError, match="--attn_implementation flash_attention_3 is unknown"):
         RunPlan.decide(Facts(attention="flash_attention_3"))

@@ -283,3 +283,42 @@ def test_dealing_gives_every_rank_as_many_calls_and_each_prompt_once():
         assert dealt == list(range(count))
         assert all(len(run) <= per_call for r in runs for run in r)
     assert deal(10, 4, 0, 2) == [[0, 1, 2, 3], [8, 9]] and deal(10, 4, 1, 2) == [[4, 5, 6, 7], []]
+
+
+def test_an_engine_apart_from_the_trained_module_weighs_each_token_by_the_capped_ratio():
+    """Truncated importance sampling (TRL's vllm_importance_sampling_correction): where another module sampled (vLLM), each
+    token's loss is weighed by min(p_trainer / p_engine, cap), detached; the figures give the ratio's mean, max and capped
+    share. The transformers engine is the trained module and weighs nothing."""
+    args = ObjectiveArgs(name="grpo", loss_norm="token", is_cap=2.0)
+    objective = build_objective(args, lora=True)
+    logp = torch.tensor([-1.0, -2.0, -0.5, -3.0], dtype=torch.float64)
+    engine = torch.tensor([-1.1, -2.0, -1.5, -2.0])  # ratios exp(0.1), 1, exp(1) (capped at 2), exp(-1)
+    advantage = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    sequence = torch.tensor([0, 0, 1, 1])
+
+    class FakeLM:
+        model = None
+
+        def token_log_probs(self, batch, temperature=1.0):
+            return ours, None
+
+        def with_router_aux(self, loss, aux, weight):
+            return loss
+
+    weights = torch.exp(logp - engine.double()).clamp(max=2.0)
+    for apart in (True, False):
+        ours = logp.clone().requires_grad_()
+        batch = {"targets": {"index": torch.arange(4), "sequence": sequence}, "advantage": advantage, "engine_logp": engine,
+                 "engine_apart": apart}
+        loss = objective.loss_sum(FakeLM(), batch)
+        loss.backward()
+        # At the first iteration the clipped ratio is 1 and its gradient is -A per token: weighted where the engine is apart.
+        expected = -advantage[sequence] * (weights if apart else 1.0)
+        torch.testing.assert_close(ours.grad, expected, rtol=1e-6, atol=1e-9)
+        figures = objective.figures(objective.take_figures(), maxima=objective.take_maxima())
+        if apart:
+            assert figures["is_ratio_mean"] == pytest.approx(float(torch.exp(logp - engine.double()).mean()))
+            assert figures["is_ratio_max"] == pytest.approx(math.e, rel=1e-6) and figures["is_capped_share"] == 0.25
+        else:
+            assert "is_ratio_mean" not in figures
+        assert figures["sampler_logprob_gap"] == pytest.approx(float((logp - engine.double()).abs().mean()), rel=1e-6)

@@ -9,9 +9,10 @@ and loads the training state, and describes its per-rank memory to the estimate.
 
 import contextlib
 from pathlib import Path
-from typing import Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import Callable, ClassVar, Dict, Iterator, List, Optional, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -111,6 +112,12 @@ class TrainingStrategy:
         """Whether each rank gathers whole weights for a use and drops them after (FSDP, ZeRO-3): the transients that
         decide a sharded run's peak, which on the CPU must leave resident memory when freed (litft.device)."""
         return False
+
+    def whole_weights(self, lm) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The model's weights whole, one tensor at a time, by their names in the transformers model (every rank takes part:
+        a sharded tensor is gathered, its dropped copy freed before the next one)."""
+        for name, param in lm.hf_model.named_parameters():
+            yield name, param.full_tensor() if isinstance(param, DTensor) else param
 
     @classmethod
     def gathers_weights_for(cls, layout: Layout) -> bool:

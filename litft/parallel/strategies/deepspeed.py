@@ -104,6 +104,17 @@ class DeepSpeed(TrainingStrategy):
     def gathers_weights(self) -> bool:
         return self.stage == 3
 
+    def whole_weights(self, lm):
+        """ZeRO-3: each partitioned tensor gathered on every rank, one at a time, and partitioned again after its use."""
+        if self.stage != 3:
+            yield from super().whole_weights(lm)
+            return
+        import deepspeed
+
+        for name, param in lm.hf_model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                yield name, param.data
+
     @classmethod
     def gathers_weights_for(cls, layout: Layout) -> bool:
         return int(cls.zero_section(layout, "32-true").get("stage", 0)) == 3 and layout.world_size > 1
