@@ -59,7 +59,14 @@ def test_sharded_runs_of_other_architectures_match_one_process(case, runs):
     assert len(got) == len(expected) == 3 and abs(got[0] - expected[0]) <= 1e-5 * abs(expected[0])
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(expected, got)), (expected, got)
     norms = lambda run: [r["grad_norm"] for r in read_metrics(run) if "loss" in r]  # noqa: E731 (logged under every strategy)
-    assert norms(sharded) == pytest.approx(norms(reference), rel=1e-4) and len(norms(reference)) == 3
+    # The first step's gradients come from the same weights: only the order of fp32 sums differs (a missing average over
+    # ranks would be a factor of 2). Later steps start from weights after Adam steps, which turn sum-order noise into weight
+    # differences where a gradient nearly cancels: in Qwen3-Next one of in_proj_qkvz's 3,072 gradients is 2e-7 against a
+    # median of 3e-2; clipped, it is 3e-8, about Adam's eps, where Adam's step moves 2e4 x lr per unit of gradient. That
+    # element ends step 1 4e-4 apart between ZeRO-3 and one process, and step 3's gradient norm 5e-4 apart (relative),
+    # with every loss within 1e-5 (measured; the pieces of the norm that moved are in no loss this test reads).
+    assert norms(sharded)[0] == pytest.approx(norms(reference)[0], rel=1e-5) and len(norms(reference)) == 3
+    assert norms(sharded)[1:] == pytest.approx(norms(reference)[1:], rel=2e-3)
     if "moe" in case:  # the router's balance summed over the ranks is the one process's (a TP group counts each token twice alike)
         balance = lambda run: [r[key] for key in ("expert_imbalance_max", "experts_idle") for r in read_metrics(run) if "loss" in r]  # noqa: E731
         assert balance(sharded) == pytest.approx(balance(reference), rel=1e-9) and len(balance(reference)) == 6
@@ -69,9 +76,14 @@ def test_sharded_runs_of_other_architectures_match_one_process(case, runs):
         a, b = ours[key], theirs[key]
         if key.endswith("query_key_value.bias"):  # GPT-NeoX: (head, q/k/v, dim); a key bias has a gradient of 0 (the softmax
             a, b = (t.reshape(4, 3, -1)[:, [0, 2]] for t in (a, b))  # ignores it), so Adam's steps on it are rounding noise
-        # Qwen3-Next's gated delta rule sums in another order under ZeRO-3: one of 3,072 elements of its input projection, where
-        # Adam divides a near-zero gradient by its own size, moves 1.9e-4 after 3 steps (the tensor's relative error 2e-5).
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=3e-4 if "state" in case else 1e-4, msg=key)
+        if "state" in case:
+            # The element of Qwen3-Next's in_proj_qkvz whose gradient is about Adam's eps (above) ends 4e-4 apart; every other
+            # element of every tensor is within 7e-5. One such element a tensor, and less than 2 x lr (3e-3) apart: Adam moves
+            # an element by less than lr a step in either run, whatever its gradient.
+            apart = ~torch.isclose(a, b, rtol=1e-4, atol=1e-4)
+            assert int(apart.sum()) <= 1 and float((a - b).abs().max()) < 6e-3, key
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=key)
 
 
 @pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("tp2")))
