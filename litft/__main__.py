@@ -21,6 +21,7 @@ from litft.cli.help import short_help  # noqa: E402
 from litft.checkpoint.convert import convert, merge_lora  # noqa: E402
 from litft.cli.download import download  # noqa: E402
 from litft.cli.envreport import env  # noqa: E402
+from litft.cli.evaluate import evaluate  # noqa: E402
 from litft.errors import LitftError  # noqa: E402
 from litft.estimate import estimate  # noqa: E402
 from litft.cli.jobs import DEFAULT_DATA_FLAGS, JOBS, PREFERENCE_DATA_FLAGS  # noqa: E402
@@ -31,7 +32,7 @@ from litft.launch.ray_worker import die_with_parent, inside_worker  # noqa: E402
 
 def parser_jobs() -> dict:
     return {**JOBS, "convert": convert, "merge_lora": merge_lora, "estimate": estimate, "chat": chat, "generate": generate, "env": env,
-            "download": download}
+            "download": download, "evaluate": evaluate}
 
 
 def configure_jsonargparse() -> None:

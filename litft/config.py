@@ -120,8 +120,18 @@ class EvalArgs:
     """Validation prompts answered by greedy generation and scored by exact match, at start and end (0: off; instruction data only)."""
     max_new_tokens: int = 32
     """Longest answer generated when scoring."""
+    tasks: Optional[str] = None
+    """Comma-separated lm-evaluation-harness tasks run at each validation and the final one, on the weights being trained (metrics.csv's lm_eval/<task>/<metric>; pip install 'litft[eval]')."""
+    include_path: Optional[str] = None
+    """A folder of lm-eval task YAML files of your own, for --eval.tasks."""
+    task_limit: Optional[float] = None
+    """Documents per task at each validation (a number, or a share below 1); all of them where left out."""
 
     def check(self) -> None:
+        if self.tasks is not None and not [t for t in self.tasks.split(",") if t.strip()]:
+            raise LitftError("--eval.tasks names no task; give lm-eval tasks, e.g. --eval.tasks hellaswag,arc_easy, or leave it out")
+        if self.task_limit is not None and not self.task_limit > 0:
+            raise LitftError(f"--eval.task_limit must be above 0, got {self.task_limit}")
         at_least(self.interval, 0, "--eval.interval")
         at_least(self.max_batches, 1, "--eval.max_batches", "for all of the validation data")
         at_least(self.score_samples, 0, "--eval.score_samples")

@@ -188,6 +188,40 @@ def _write_model(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict
     load_tokenizer(resolve_model(run_config.get("tokenizer") or meta.model)).save_pretrained(staging)
 
 
+def model_from_checkpoint(path: Path, dtype: Optional[torch.dtype] = None):
+    """A training checkpoint as a transformers model in memory, filled a block at a time as the export reads it (LoRA merged
+    into the base), with nothing written to disk; and its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    try:  # transformers 5 keeps it here; 4.x in modeling_utils
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
+
+    meta = CheckpointMeta.read(path)
+    if meta.format != "dcp":
+        raise LitftError(f"checkpoint {path} {meta.unreadable_format()}")
+    run_config = yaml.safe_load((path / RUN_CONFIG).read_text())
+    trained, lora = dcp_trained_tensors(path), meta.job == "finetune_lora"
+    source = resolve_model(meta.model)
+    config = load_config(source)
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    out_dtype = dtype if isinstance(dtype, torch.dtype) else next(iter(trained.shapes.values()))[1]  # "auto": as trained
+    with no_init_weights():  # every weight is filled from the checkpoint; buffers (rotary frequencies) are made as usual
+        model = AutoModelForCausalLM.from_config(config, dtype=out_dtype)
+    base = model_layout_weights(locate_checkpoint(source), config) if lora else None
+    scale = run_config["lora_alpha"] / run_config["lora_r"] if lora else 0.0
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for names in block_groups(model):
+            block, _ = _block_tensors(names, trained, base, "base_model.model." if lora else "", scale, meta.job)
+            for name in names:
+                params[name].copy_(block[name])
+    model.tie_weights()
+    return model.eval(), load_tokenizer(resolve_model(run_config.get("tokenizer") or meta.model))
+
+
 class SafetensorsWriter:
     """Writes safetensors files tensor by tensor, in a planned order, without holding them all.
 

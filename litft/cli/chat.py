@@ -2,7 +2,7 @@
 
 A model is a Hugging Face folder (a run's ``final/``), a peft adapter folder (a
 run's ``final-adapter/``, put on the base it names), a training checkpoint or a
-run's folder (a LoRA checkpoint's adapter on its base; a full one exported first),
+run's folder (its model made in memory a block at a time, a LoRA adapter merged),
 litft-tiny or a hub id. Prompts go through the rendering of training data
 (``litft.data.sft``), so the model sees its chat template, or the Alpaca headers
 it was trained with, exactly as it did in training.
@@ -10,14 +10,13 @@ it was trained with, exactly as it did in training.
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
 from transformers import AutoModelForCausalLM, TextStreamer
 
-from litft.checkpoint.convert import export
+from litft.checkpoint.convert import model_from_checkpoint
 from litft.checkpoint.format import CHECKPOINTS, META, CheckpointMeta, resolve_resume
 from litft.data.sft import JSON
 from litft.device import resolve_accelerator
@@ -64,12 +63,10 @@ def load_for_chat(name: str, dtype: torch.dtype):
 
 
 def _from_checkpoint(checkpoint: Path, dtype: torch.dtype):
-    """A LoRA checkpoint's adapter on its base; a full checkpoint exported (block by block) to a temporary folder."""
+    """A checkpoint's model in memory, a block at a time (LoRA merged into its base): nothing written to disk."""
+    model, tokenizer = model_from_checkpoint(checkpoint, dtype)
     lora = CheckpointMeta.read(checkpoint).job == "finetune_lora"
-    with tempfile.TemporaryDirectory(prefix="litft-chat-") as folder:
-        target = export(checkpoint, Path(folder) / "model", merge_lora=not lora)
-        model = _with_adapter(target, dtype) if lora else _from_pretrained(str(target), dtype)
-        return model, load_tokenizer(str(target)), f"checkpoint {checkpoint}" + (" (its adapter on its base)" if lora else "")
+    return model, tokenizer, f"checkpoint {checkpoint}" + (" (its adapter merged into its base)" if lora else "")
 
 
 class PieceWriter(TextStreamer):

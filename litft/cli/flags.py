@@ -169,7 +169,7 @@ def required(flag: Flag, help: str) -> Flag:
 
 # litft chat and litft generate.
 TRAINED_MODEL = required(
-    MODEL, "A model folder (a run's final/ or final-adapter/), a litft run or checkpoint folder (a LoRA one: its adapter on its base), litft-tiny, or a hub id."
+    MODEL, "A model folder (a run's final/ or final-adapter/), a litft run or checkpoint folder (made in memory, a LoRA adapter merged), litft-tiny, or a hub id."
 )
 PROMPT = Flag("prompt", Optional[str], None, "The prompt to answer (required).")
 GENERATION = [

@@ -17,6 +17,7 @@ import torch
 
 from litft.errors import LitftError
 from litft.run.evaluation import score, validate
+from litft.run.tasks import evaluate_tasks, flat_metrics, harness_model
 
 
 @dataclass
@@ -183,6 +184,8 @@ def validate_and_log(trainer, scoring: bool) -> None:
         )
         figures = objective.take_figures()  # every rank has some or none alike (the same objective)
         metrics.update(objective.validation_figures(metrics["val_loss"], None if figures is None else fabric.all_reduce(figures, reduce_op="sum")))
+    if spec.eval.tasks:
+        metrics.update(harness_metrics(trainer))
     if scoring and spec.eval.score_samples and not objective.generates:
         prompts = data.scoring[: spec.eval.score_samples]
         metrics["val_score"] = score(trainer.generation, prompts, trainer.tokenizer, spec.eval.max_new_tokens)
@@ -191,6 +194,20 @@ def validate_and_log(trainer, scoring: bool) -> None:
         fabric.log_dict(metrics, step=state.step)
         trainer.meter.progress.message(f"step {state.step}: " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         state.history.append({"step": state.step, **metrics})
+
+
+def harness_metrics(trainer) -> Dict[str, float]:
+    """--eval.tasks on the weights being trained, every data-parallel rank its share of the documents (rank 0's figures)."""
+    spec, place = trainer.spec, trainer.context
+    tasks = [t.strip() for t in spec.eval.tasks.split(",") if t.strip()]
+    model = trainer.lm.model
+    model.eval()
+    try:
+        lm = harness_model(model, trainer.tokenizer, spec.train.micro_batch_size, place.data_rank, place.data_world, trainer.generation)
+        results = evaluate_tasks(lm, tasks, spec.eval.include_path, limit=spec.eval.task_limit)
+    finally:
+        model.train()
+    return flat_metrics(results) if results is not None else {}
 
 
 def save(trainer) -> None:

@@ -73,6 +73,7 @@ class Facts:
     capability: Optional[Tuple[int, int]] = None  # the GPU's compute capability
     overwrite: bool = False
     resumes_inside_out_dir: bool = False
+    lm_eval_tasks: bool = False  # --eval.tasks given
 
     @property
     def rl(self) -> bool:
@@ -165,6 +166,10 @@ REFUSALS: Tuple[Refusal, ...] = (
         f"--objective.engine vllm cannot take {f.model_type}'s experts yet (litft keeps them grouped, vLLM reads them by its own "
         "names); use --objective.engine transformers"), {"objective": "grpo", "data_kind": "prompts", "engine": "vllm",
                                                          "installed": frozenset({"vllm"}), "experts": True, "model_type": "qwen3_moe"}),
+    Refusal("tasks-split", lambda f: f.lm_eval_tasks and (f.tensor > 1 or f.context > 1), lambda f: (
+        "--eval.tasks deals lm-eval's documents to the data-parallel ranks, and the ranks of a tensor or context group share "
+        "theirs: not yet; drop --eval.tasks (run litft evaluate on the run's final/ after) or the split"),
+            {"lm_eval_tasks": True, "tensor": 2}),
     Refusal("scoring-text", lambda f: f.score_samples > 0 and f.data_kind == "text" and not f.rl, lambda f: (
         "--eval.score_samples needs instruction data (prompts with answers); set it to 0 for plain text"),
             {"score_samples": 10, "data_kind": "text", "data": "TextFiles"}),
@@ -356,6 +361,7 @@ def facts_of(spec, accelerator: str, precision: str, strategy, config, data_worl
         experts=expert_count(text_config(config)) > 1, carries_state=carries_state(config), boundary_kernels=boundary_kernels(config, accelerator, attention_guess in PACKED_SAFE),
         split_refusal=split_refusal(config, layout, lora.quantize if lora else None), installed=installed_packages(),
         capability=capability, overwrite=spec.overwrite, resumes_inside_out_dir=spec.resumes_inside_out_dir,
+        lm_eval_tasks=bool(spec.eval.tasks),
     )
 
 

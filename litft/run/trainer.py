@@ -48,6 +48,7 @@ from litft.run.plan import PACKED_WITH_BOUNDARIES, RunPlan, facts_of
 from litft.run.plot import plot_losses
 from litft.run.profiling import StepProfiler
 from litft.run.spec import RunResult, RunSpec
+from litft.run.tasks import check_tasks
 
 
 def plan_steps(train, num_samples: int, mean_tokens: float, steps_per_batch: int = 1) -> int:
@@ -98,6 +99,8 @@ class Trainer:
         check_architecture(config)  # before any process starts
         plan = RunPlan.decide(facts_of(spec, accelerator, precision, chosen, config, spec.data_world))
         objective = build_objective(spec.objective, lora=spec.lora is not None)  # reward functions imported here, before any write
+        if spec.eval.tasks:  # lm-eval's tasks found (or refused) before any process starts
+            check_tasks([t.strip() for t in spec.eval.tasks.split(",") if t.strip()], spec.eval.include_path)
         strategy = chosen(layout, accelerator, precision, spec.train, Mesh.of(layout, chosen))
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
