@@ -20,6 +20,8 @@ from pathlib import Path
 
 from benchkit import PeakGrowth, llama_shape, shape_parser
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def measure_convert(checkpoint: str, target: str) -> None:
     """In this process: convert and report the peak growth of anonymous memory (page cache not counted)."""
@@ -57,7 +59,7 @@ def main() -> None:
              "--precision", "32-true", "--train.global_batch_size", str(args.devices), "--train.micro_batch_size", "1",
              "--train.max_steps", "1", "--data", "TinyTasks", "--data.num_train", "16", "--data.num_val", "8", "--eval.interval", "0", "--eval.initial_validation", "false",
              "--eval.final_validation", "false", "--out_dir", str(run)],
-            check=True,
+            check=True, cwd=ROOT,
         )
     checkpoint = sorted((run / "checkpoints").glob("step-*"))[-1]
     target = work / f"hf-{time.time_ns()}"

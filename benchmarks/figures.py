@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 HISTORY = ROOT / "benchmarks" / "history.jsonl"
 GOALS = {"zero3_lora_peak": ("<=", 0.8), "zero3_lora_peak_defaults": ("<=", 0.8), "fsdp_accumulation": ("<", 0.25),
          "suite_seconds": ("<", 1800)}
-for _job in ("lora", "full"):
-    for _shape in ("", "_mb8"):
+for _shape in ("", "_mb8"):
+    for _job in ("lora", "full", "lora_dropout"):
         GOALS[f"{_job}_vs_trainer{_shape}"] = (">=", 1.3)
         GOALS[f"{_job}_memory_vs_trainer{_shape}"] = ("<=", 1.0)
+    GOALS[f"lora_dropout_cost{_shape}"] = ("<=", 1.1)
 
 
 def commit() -> str:

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from benchkit import python_path  # noqa: E402
+
 
 def model_folder(work: Path, accelerator: str, layers: int) -> Path:
     """A random Qwen3-MoE of the mode's shape (config only: pretrain initializes it) with litft-tiny's tokenizer."""
@@ -67,7 +69,7 @@ def run(args, model: Path, work: Path, expert_parallel: int) -> dict:
         "--eval.initial_validation", "false", "--eval.final_validation", "false", "--eval.interval", "0",
         "--out_dir", str(out), "--overwrite", "true", "--logger_name", "csv",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1", PYTHONPATH=python_path(ROOT))  # this checkout's litft
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "litft", *flags], cwd=work, env=env, capture_output=True, text=True)
     if done.returncode != 0:

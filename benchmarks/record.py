@@ -16,8 +16,7 @@ CPU figures (memory as a share of the model's fp32 bytes, speed as a ratio to HF
 Trainer run in the same invocation, each ratio the mean of two runs: one run of the
 same commit moves by about 5%):
 
-- ``zero3_lora_peak_defaults``: ``litft finetune_lora`` at its default flags (dropout
-  0.05) under ZeRO-3 on 2 ranks, 32-true, one step of a 0.97 GB random Llama (20
+- ``zero3_lora_peak_defaults``: ``litft finetune_lora`` at its default flags under ZeRO-3 on 2 ranks, 32-true, one step of a 0.97 GB random Llama (20
   layers, hidden 1024, MLP 2816): the largest rank's peak anonymous memory above the
   same run on a tiny model. No rank should ever hold the whole model (goal <= 0.8).
 - ``fsdp_accumulation``: ``litft finetune_full`` under FSDP FULL_SHARD on 2 ranks,
@@ -28,7 +27,9 @@ same commit moves by about 5%):
   chat SFT of SmolLM2-135M-Instruct, 12 steps, 2 threads, litft's tokens/s over
   Trainer's on the same samples and batches (``benchmarks/vs_hf_trainer.py``; goal
   >= 1.3); ``*_memory_vs_trainer*``: litft's peak resident memory over Trainer's
-  (goal <= 1.0).
+  (goal <= 1.0). LoRA at litft's defaults (no dropout, peft's default too), and
+  ``lora_dropout_vs_trainer*`` with ``--lora_dropout 0.05`` on both sides;
+  ``lora_dropout_cost*``: litft's LoRA step time at 0.05 over its time at 0 (goal <= 1.1).
 
 Peaks are each process's anonymous resident memory (``RssAnon``), sampled every
 10 ms over the whole process tree the command starts: loading, every step,
@@ -161,24 +162,37 @@ def fsdp_accumulation(work: Path) -> float:
 
 
 def versus_trainer(work: Path, runs: int = 2) -> Dict[str, float]:
-    """Speed and memory over Trainer's at both batch shapes, each the mean of ``runs`` invocations (each run printed)."""
+    """Speed and memory over Trainer's at both batch shapes at litft's defaults, and LoRA again with dropout 0.05 on both
+    sides, with what that dropout costs litft; each figure the mean of ``runs`` invocations (each run printed)."""
     figures: Dict[str, List[float]] = {}
     for shape, (micro, total) in SHAPES.items():
         for run in range(runs):
-            command = [sys.executable, str(ROOT / "benchmarks" / "vs_hf_trainer.py"), "--jobs", "lora,full", "--sides", "litft,trainer",
-                       "--steps", "12", "--threads", "2", "--micro_batch", str(micro), "--global_batch", str(total), "--work_dir", str(work / "vs")]
-            out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(f"vs_hf_trainer.py exited {out.returncode}:\n{out.stderr[-3000:]}")
-            for row in json_rows(out.stdout):
-                if row.get("error"):
-                    raise SystemExit(f"vs_hf_trainer.py: {row['error']}")
-                if row["side"] == "trainer":
-                    figures.setdefault(f"{row['run']}_vs_trainer{shape}", []).append(row["litft_speed_over_this"])
-                    figures.setdefault(f"{row['run']}_memory_vs_trainer{shape}", []).append(row["litft_memory_over_this"])
+            litft_rate = {}
+            for jobs, extra, name in (("lora,full", [], "{run}"), ("lora", ["--lora_dropout", "0.05"], "{run}_dropout")):
+                for row in vs_trainer_rows(work, micro, total, jobs, extra):
+                    figure = name.format(run=row["run"])
+                    if row["side"] == "litft":
+                        litft_rate[figure] = row["tokens_per_s"]
+                    elif row["side"] == "trainer":
+                        figures.setdefault(f"{figure}_vs_trainer{shape}", []).append(row["litft_speed_over_this"])
+                        figures.setdefault(f"{figure}_memory_vs_trainer{shape}", []).append(row["litft_memory_over_this"])
+            figures.setdefault(f"lora_dropout_cost{shape}", []).append(litft_rate["lora"] / litft_rate["lora_dropout"])
     for name, values in sorted(figures.items()):
         print(f"  {name}: runs {', '.join(f'{v:.3f}' for v in values)}", flush=True)
     return {name: sum(values) / len(values) for name, values in figures.items()}
+
+
+def vs_trainer_rows(work: Path, micro: int, total: int, jobs: str, extra: List[str]) -> List[dict]:
+    command = [sys.executable, str(ROOT / "benchmarks" / "vs_hf_trainer.py"), "--jobs", jobs, "--sides", "litft,trainer", "--steps", "12",
+               "--threads", "2", "--micro_batch", str(micro), "--global_batch", str(total), "--work_dir", str(work / "vs"), *extra]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"vs_hf_trainer.py exited {out.returncode}:\n{out.stderr[-3000:]}")
+    rows = json_rows(out.stdout)
+    for row in rows:
+        if row.get("error"):
+            raise SystemExit(f"vs_hf_trainer.py: {row['error']}")
+    return rows
 
 
 def json_rows(stdout: str) -> List[dict]:

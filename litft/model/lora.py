@@ -6,9 +6,10 @@ compiler (seconds on every process start), which a run without LoRA never needs.
 
 import contextlib
 import dataclasses
+import math
 import types
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from transformers import BitsAndBytesConfig
@@ -132,47 +133,54 @@ def apply_lora(model, lora: LoraArgs):
     return add_adapters_in_one_matmul(keep_one_input_per_layer(peft_model))
 
 
+DROP_LEVELS = 2**16  # a drop probability is taken to the nearest 1/65536; the kept inputs are scaled by the rate taken
+
+
+def dropout_mask(shape, p: float, device) -> Tuple[torch.Tensor, float]:
+    """Which elements dropout keeps (a bool tensor of ``shape``) and the drop probability it used (``p`` to 1/65536).
+
+    Four elements a random 64-bit word from torch's generator (seeded, and saved in checkpoints as the run's RNG state):
+    each 16-bit quarter is one uniform draw. torch's Bernoulli sampling spent one generator call and a float per element,
+    which on the CPU cost twice the layer's own matmul for every adapter; the masks are each adapter's own, as peft's.
+    """
+    threshold = round(p * DROP_LEVELS)
+    numel = math.prod(shape)
+    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), 2**63 - 1)  # every bit random
+    keep = words.view(torch.int16)[:numel].view(shape) >= threshold - DROP_LEVELS // 2
+    return keep, threshold / DROP_LEVELS
+
+
 class _DroppedInputMatmul(torch.autograd.Function):
-    """``linear(dropout(x), weight)`` that keeps ``x`` and a one-byte mask for the backward instead of the dropped copy.
+    """``linear(dropout(x), weight)`` that keeps ``x`` and a one-byte mask for the backward, and scales the adapter's narrow
+    output instead of its wide input.
 
     peft keeps each adapter's dropped input until the backward: q, k and v (and the MLP's projections) each hold their
     own copy of the layer's input, at the input's full width and dtype. Here they keep the input they share and a boolean
-    mask each. The mask is drawn as torch's dropout draws it (one bernoulli per element from the same generator), so a
-    run takes the same values as peft's; matmuls run in the dtype autocast chose in the forward, as autograd's would.
-    Under autocast ``x`` comes in the run's low precision while the adapter is fp32 (``_input_as_it_comes``): the dropout
-    is applied in fp32 as peft's cast of the input had it, and the dropped input is kept in the precision the matmul read
-    it in (half what peft kept, a copy per adapter) rather than recomputed from the shared input in the backward, which
-    took fp32 temporaries and ran 4-7% slower on the CPU.
+    mask each; the dropped input is made again in the backward by one select. Dropout's scaling 1 / (1 - p) is applied to
+    the rank-r output and to the incoming gradient (r wide) rather than to the input (as wide as the layer): the same
+    product, one rounding apart. Under autocast ``x`` comes in the run's low precision (``_input_as_it_comes``) and the
+    select keeps it there: zeroing is exact in any dtype.
     """
 
     @staticmethod
     def forward(ctx, x, weight, p: float):
-        ctx.p, ctx.x_dtype = p, x.dtype
-        ctx.kept_dropped = x.dtype != weight.dtype and torch.is_autocast_enabled(x.device.type)
-        if ctx.kept_dropped:
-            noise = torch.empty_like(x, dtype=weight.dtype).bernoulli_(1 - p).div_(1 - p)  # x's strides, as torch's dropout
-            dropped = (x.to(weight.dtype) * noise).to(torch.get_autocast_dtype(x.device.type))
-            out = torch.nn.functional.linear(dropped, weight)
-            ctx.save_for_backward(dropped, noise != 0, weight)
-        else:
-            noise = torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)  # what torch's dropout multiplies its input by
-            out = torch.nn.functional.linear(x * noise, weight)
-            ctx.save_for_backward(x, noise != 0, weight)
+        keep, taken = dropout_mask(x.shape, p, x.device)
+        ctx.scale = 1.0 / (1.0 - taken)
+        out = torch.nn.functional.linear(torch.where(keep, x, 0), weight) * ctx.scale
+        ctx.save_for_backward(x, keep, weight)
         ctx.dtype = out.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        kept, keep, weight = ctx.saved_tensors  # the dropped input (kept_dropped), else the input itself
-        wide = weight.dtype if ctx.kept_dropped else ctx.x_dtype
-        noise = keep.to(wide).div_(1 - ctx.p)
-        grad = grad.to(ctx.dtype)
+        x, keep, weight = ctx.saved_tensors
+        grad = grad.to(ctx.dtype) * ctx.scale
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_x = ((grad @ weight.to(ctx.dtype)).to(wide) * noise).to(ctx.x_dtype)
+            grad_x = torch.where(keep, grad @ weight.to(ctx.dtype), 0).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dropped = kept if ctx.kept_dropped else (kept * noise).to(ctx.dtype)
-            grad_weight = (grad.reshape(-1, grad.shape[-1]).t() @ dropped.reshape(-1, kept.shape[-1])).to(weight.dtype)
+            dropped = torch.where(keep, x, 0).to(ctx.dtype)
+            grad_weight = (grad.reshape(-1, grad.shape[-1]).t() @ dropped.reshape(-1, x.shape[-1])).to(weight.dtype)
         return grad_x, grad_weight, None
 
 

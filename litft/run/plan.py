@@ -47,6 +47,7 @@ class Facts:
     tensor: int = 1
     expert: int = 1
     lora: bool = False
+    lora_dropout: float = 0.0
     quantize: Optional[str] = None
     objective: str = "sft"
     beta: float = 0.0
@@ -255,6 +256,7 @@ class RunPlan:
     fp8: Optional[str]
     engine: Optional[str]  # what samples RL's rollouts; None for objectives that sample nothing
     carries_state: bool
+    lora_dropout: Optional[float] = None  # None: no adapters
 
     @classmethod
     def decide(cls, facts: Facts) -> "RunPlan":
@@ -272,7 +274,7 @@ class RunPlan:
         engine = None if not facts.rl else facts.engine if facts.engine != "auto" else ("vllm" if vllm_serves else "transformers")
         return cls(facts.accelerator, facts.precision, param_dtype(facts.precision), compute_dtype(facts.precision), facts.strategy,
                    attention, rows, facts.boundary_kernels if rows == PACKED_WITH_BOUNDARIES else (), compiling, liger, facts.kernels,
-                   facts.fp8, engine, facts.carries_state)
+                   facts.fp8, engine, facts.carries_state, facts.lora_dropout if facts.lora else None)
 
     @classmethod
     def plain(cls, precision: str) -> "RunPlan":
@@ -293,9 +295,19 @@ class RunPlan:
             out.append(f"rows: {self.rows}" + (" (samples end to end, no padding computed)" if self.rows == PACKED else
                                                 " (a sample per right-padded row: the attention cannot keep packed samples apart)"))
         out += [self.compile.line(), describe_kernels(self.kernels, self.liger)]
+        if self.lora_dropout is not None:
+            out.append(describe_lora_dropout(self.lora_dropout))
         if self.engine is not None:
             out.append(f"rollout engine: {self.engine}" + (" (auto: vLLM on a GPU where it is installed)" if self.engine == "transformers" else ""))
         return out
+
+
+def describe_lora_dropout(p: float) -> str:
+    """Why the default is off: on SmolLM2-135M LoRA, 0.05 matched 0 on a 1.3-epoch fine-tune (held-out loss 0.0041 and
+    0.0042), lowered it on 64 records over 10 epochs (0.117 against 0.130, two seeds) and cost a fifth more time a step."""
+    if p == 0:
+        return "LoRA dropout: off (peft's default; --lora_dropout 0.05 can help small data trained for many epochs, for about a fifth more time a step)"
+    return f"LoRA dropout: {p:g} (each adapter's own mask; about a fifth more time a step than --lora_dropout 0)"
 
 
 def choose_attention(facts: Facts) -> str:
@@ -352,7 +364,7 @@ def facts_of(spec, accelerator: str, precision: str, strategy, config, data_worl
     return Facts(
         job=spec.job, accelerator=accelerator, precision=precision, strategy=strategy.name, strategy_compiles=strategy.compiles,
         data_world=data_world, context=layout.context_parallel, tensor=layout.tensor_parallel, expert=layout.expert_parallel,
-        lora=lora is not None, quantize=lora.quantize if lora else None, objective=objective.name, beta=objective.effective_beta,
+        lora=lora is not None, lora_dropout=lora.dropout if lora else 0.0, quantize=lora.quantize if lora else None, objective=objective.name, beta=objective.effective_beta,
         precompute_reference=objective.precompute_reference, global_batch=spec.train.global_batch_size,
         generation_batch=objective.generation_batch, engine=objective.engine, compile=_compile_mode(spec.compile),
         fp8=spec.fp8, kernels=spec.kernels, attention=spec.attn_implementation, data=type(spec.data).__name__, data_kind=data_kind(spec.data),

@@ -56,3 +56,7 @@ def test_what_the_plan_decides_follows_the_machine_and_the_model():
         RunPlan.decide(Facts(attention="flash_attention_3"))
     lines = RunPlan.decide(Facts(**rl)).lines()
     assert any(line.startswith("attention: litft_segments") for line in lines) and "rollout engine: transformers" in " ".join(lines)
+    assert not any(line.startswith("LoRA dropout") for line in lines)  # no adapters, no line
+    lora = dict(lora=True, job="finetune_lora")
+    assert any(line.startswith("LoRA dropout: off (peft's default") for line in RunPlan.decide(Facts(**lora)).lines())
+    assert any(line.startswith("LoRA dropout: 0.05 (") for line in RunPlan.decide(Facts(**lora, lora_dropout=0.05)).lines())
