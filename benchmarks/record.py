@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(1, str(ROOT))  # this checkout's litft (the folders it makes), whichever one is installed
 
 from figures import HISTORY, record  # noqa: E402  (benchmarks/ is the scripts' own path)
 SHAPES = {"": (4, 8), "_mb8": (8, 16)}  # figure suffix: (micro-batch, global batch); the second is the shape users reported

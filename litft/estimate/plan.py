@@ -15,7 +15,7 @@ from litft.estimate.states import memory_layout
 from litft.estimate.trace import trace_activations
 from litft.model.flops import expert_count, experts_per_token, flops_per_token
 from litft.model.recurrent import carries_state, text_config
-from litft.run.plan import DATA_KINDS, Facts, refuse, split_refusal
+from litft.run.plan import DATA_KINDS, Facts, installed_packages, refuse, rollout_engine, split_refusal
 from litft.run.logs import quiet_libraries
 from litft.estimate.memory import GiB, Row
 from litft.model.loading import check_architecture, load_config, resolve_model
@@ -137,10 +137,9 @@ def plan_memory(flags: dict) -> dict:
     experts = experts_facts(config, tensors, layout.expert_parallel, train.micro_batch_size * tokens_per_rank * built.rows_per_sample,
                             itemsize, flags["seq_len"])
     buffers = buffers_of(states, tensors, flags["quantize"], itemsize, experts if layout.expert_parallel > 1 else None)
-    # RL samples between steps, while the step's activations are freed: counted as max(sampling, activations).
-    generation = built.generation_bytes(config, flags["seq_len"], itemsize, prompts_per_call(flags, objective, layout))
-    if generation and strategy.gathers_weights_for(layout):  # FSDP and ZeRO-3 gather the whole model once for each generate call
-        generation += int(sum(t.numel * (t.itemsize if t.quantized else itemsize) for t in tensors) - states.params.gpu)
+    engine = rollout_engine(objective.rl, objective.engine, "cpu" if on_cpu else "cuda", installed_packages(), flags["quantize"],
+                            expert_count(text_config(config)) > 1)
+    generation = sampling_row(engine, flags, objective, built, config, tensors, states, strategy, layout, itemsize, capacity)
     report = {
         "model": flags["model"], "job": flags["job"], **strategy.facts(layout, precision), "world_size": layout.world_size,
         "precision": precision, "quantize": flags["quantize"], "micro_batch_size": train.micro_batch_size, "objective": objective.name,
@@ -151,9 +150,25 @@ def plan_memory(flags: dict) -> dict:
                        "quantized": sum(t.numel for t in tensors if t.quantized)},
         "quant_state_bytes": sum(t.quant_state for t in tensors),
     }
-    report.update(accelerator="cpu" if on_cpu else "cuda", prompts_per_call=prompts_per_call(flags, objective, layout), row_len=row_len)
+    report.update(accelerator="cpu" if on_cpu else "cuda", engine=engine, prompts_per_call=prompts_per_call(flags, objective, layout), row_len=row_len)
     return {**report, **totals(states, buffers, traced, train.gradient_checkpointing, generation, layout, gpu_name, capacity, flags["headroom"],
                                context=0 if on_cpu else CUDA_CONTEXT + (NCCL_BUFFERS if layout.world_size > 1 else 0))}
+
+
+def sampling_row(engine, flags, objective, built, config, tensors, states, strategy, layout, itemsize: int, capacity: float) -> Row:
+    """What RL's sampling holds between steps, while the step's activations are freed (counted as their max): vLLM's share of
+    the device, its weights on the host while it sleeps through the step; or a generate call's KV cache and sampler rows,
+    with the rest of a sharded model gathered once for the call."""
+    whole = int(sum(t.numel * (t.itemsize if t.quantized else itemsize) for t in tensors))
+    if engine == "vllm":  # it is served the base with the adapters merged in
+        served = int(sum(t.numel * itemsize for t in tensors if ".lora_" not in t.name))
+        return Row(objective.vllm_memory * capacity, served, note=f"vLLM's share (--objective.vllm_memory {objective.vllm_memory:g}: its "
+                   "weights and KV cache) while sampling; asleep through the step, its weights on the host")
+    generation = built.generation_bytes(config, flags["seq_len"], itemsize, prompts_per_call(flags, objective, layout))
+    if generation and strategy.gathers_weights_for(layout):  # FSDP and ZeRO-3 gather the whole model once for each generate call
+        generation += whole - int(states.params.gpu)
+    return Row(generation, 0, note="a generate call's KV cache, sampler rows and (sharded) the rest of the model gathered, while "
+               "activations are freed: counted as their max")
 
 
 GRPO_PROMPT = 512  # tokens of a prompt where --seq_len is left out under grpo (GSM8K's chat prompts are about 150)
@@ -202,15 +217,16 @@ def buffers_of(states, tensors, quantize: Optional[str], itemsize: int, experts:
     return buffers
 
 
-def totals(states, buffers, traced: dict, checkpointing: bool, generation: int, layout, gpu_name: str, capacity: float, headroom: float,
+def totals(states, buffers, traced: dict, checkpointing: bool, generation: Row, layout, gpu_name: str, capacity: float, headroom: float,
            context: int) -> dict:
     """Each rank's rows and what they add up to, against the device's usable memory (``context``: CUDA's and NCCL's own)."""
     acts, other = traced[checkpointing], traced[not checkpointing]
     gpu_fixed = states.params.gpu + states.grads.gpu + states.optimizer.gpu + context
     gpu_buffers = sum(row.gpu for _, row in buffers)
-    gpu_total = gpu_fixed + max(acts.peak + gpu_buffers, states.step.gpu, generation + gpu_buffers)
-    gpu_total_other = gpu_fixed + max(other.peak + gpu_buffers, states.step.gpu, generation + gpu_buffers)
-    cpu_total = states.params.cpu + states.grads.cpu + states.optimizer.cpu + sum(row.cpu for _, row in buffers) + states.step.cpu
+    gpu_total = gpu_fixed + max(acts.peak + gpu_buffers, states.step.gpu, generation.gpu + gpu_buffers)
+    gpu_total_other = gpu_fixed + max(other.peak + gpu_buffers, states.step.gpu, generation.gpu + gpu_buffers)
+    cpu_total = (states.params.cpu + states.grads.cpu + states.optimizer.cpu + sum(row.cpu for _, row in buffers) + states.step.cpu
+                 + generation.cpu)
     usable = capacity * (1 - headroom)
 
     def row(r: Row) -> dict:
@@ -221,7 +237,7 @@ def totals(states, buffers, traced: dict, checkpointing: bool, generation: int, 
             "params": row(states.params), "grads": row(states.grads), "optimizer": row(states.optimizer),
             "activations": {"gpu": acts.peak, "cpu": 0, "note": ""}, "buffers": {name: row(r) for name, r in buffers},
             "cuda_context": {"gpu": int(context), "cpu": 0, "note": "CUDA context" + (" + NCCL" if layout.world_size > 1 and context else "")},
-            "optimizer_step": row(states.step), "generation": {"gpu": int(generation), "cpu": 0, "note": ""},
+            "optimizer_step": row(states.step), "generation": row(generation),
         },
         "activations": {"peak": acts.peak, "saved": acts.saved, "per_layer": acts.per_layer, "outside_layers": acts.outside_layers,
                         "with_checkpointing": traced[True].peak, "without_checkpointing": traced[False].peak},
@@ -276,7 +292,8 @@ def heading(plan: dict) -> List[str]:
         *([f"objective {plan['objective']}: {plan['micro_batch_size']} pairs per micro-batch (two sequences each); reference: {plan['reference']}"]
           if plan.get("objective", "sft") not in ("sft", "grpo") else []),
         *([f"objective grpo: {plan['micro_batch_size']} completions per micro-batch, each a prompt of up to {plan['seq_len']} tokens and "
-           f"its completion; sampling {plan['prompts_per_call']} prompts' groups per generate call; KL reference: {plan['reference']}"]
+           f"its completion; sampling {plan['prompts_per_call']} prompts' groups per generate call with {plan['engine']}; "
+           f"KL reference: {plan['reference']}"]
           if plan.get("objective") == "grpo" else []),
     ]
     return lines
@@ -307,8 +324,7 @@ def rows(plan: dict) -> List[str]:
     if step["gpu"] or step["cpu"]:
         line("optimizer step (temporary)", step, "while activations are freed: counted as max(step, activations + buffers)")
     if rank.get("generation", {}).get("gpu"):
-        line("sampling (between steps)", rank["generation"], "a generate call's KV cache, sampler rows and (sharded) the rest of the "
-             "model gathered, while activations are freed: counted as their max")
+        line("sampling (between steps)", rank["generation"], rank["generation"]["note"])
     total = plan["total"]
     lines.append("-" * 54)
     lines.append(f"{'peak':<34}{_gib(total['gpu'])}  {_gib(total['cpu'])}")

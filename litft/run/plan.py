@@ -270,8 +270,7 @@ class RunPlan:
         liger = facts.kernels == "liger" or (facts.kernels == "auto" and "liger_kernel" in facts.installed and facts.accelerator == "cuda")
         blockers = compile_blockers(facts)
         compiling = choose_compile(facts.compile, facts.accelerator, blockers[0][0] if blockers else None, facts.fp8)
-        vllm_serves = "vllm" in facts.installed and facts.accelerator == "cuda" and facts.quantize is None and not facts.experts
-        engine = None if not facts.rl else facts.engine if facts.engine != "auto" else ("vllm" if vllm_serves else "transformers")
+        engine = rollout_engine(facts.rl, facts.engine, facts.accelerator, facts.installed, facts.quantize, facts.experts)
         return cls(facts.accelerator, facts.precision, param_dtype(facts.precision), compute_dtype(facts.precision), facts.strategy,
                    attention, rows, facts.boundary_kernels if rows == PACKED_WITH_BOUNDARIES else (), compiling, liger, facts.kernels,
                    facts.fp8, engine, facts.carries_state, facts.lora_dropout if facts.lora else None)
@@ -300,6 +299,15 @@ class RunPlan:
         if self.engine is not None:
             out.append(f"rollout engine: {self.engine}" + (" (auto: vLLM on a GPU where it is installed)" if self.engine == "transformers" else ""))
         return out
+
+
+def rollout_engine(rl: bool, asked: str, accelerator: str, installed: FrozenSet[str], quantize: Optional[str], experts: bool) -> Optional[str]:
+    """What samples RL's rollouts: the engine asked for; auto takes vLLM on a GPU where it is installed and can serve the model."""
+    if not rl:
+        return None
+    if asked != "auto":
+        return asked
+    return "vllm" if "vllm" in installed and accelerator == "cuda" and quantize is None and not experts else "transformers"
 
 
 def describe_lora_dropout(p: float) -> str:
@@ -383,4 +391,4 @@ def _compile_mode(value) -> str:
     return requested_mode(value)
 
 
-__all__ = ["Facts", "Refusal", "REFUSALS", "RunPlan", "facts_of", "refuse", "replace", "PADDED", "PACKED", "PACKED_WITH_BOUNDARIES"]
+__all__ = ["Facts", "Refusal", "REFUSALS", "RunPlan", "facts_of", "installed_packages", "refuse", "replace", "rollout_engine", "PADDED", "PACKED", "PACKED_WITH_BOUNDARIES"]

@@ -232,6 +232,13 @@ def test_the_estimate_counts_a_groups_kv_cache_as_generate_holds_it(tiny_dir, ca
     # 32 prompts a step on one rank (the default global batch): 16 prompts' groups per generate call, each prompt 64 tokens
     expected = build_objective(ObjectiveArgs(name="grpo", group_size=8), lora=True).generation_bytes(model.config, 64, 4, prompts=16)
     assert plan["per_rank"]["generation"]["gpu"] == expected and plan["activations"]["peak"] > 0
+    # vLLM holds its share of the device while sampling and its weights on the host while it sleeps through the step
+    main(["estimate", str(tiny_dir), "--job", "finetune_lora", "--objective", "grpo", "--objective.engine", "vllm", "--objective.vllm_memory",
+          "0.25", "--precision", "bf16-true", "--gpu", "H100", "--json", "true"])
+    plan = json.loads(capsys.readouterr().out)
+    weights = sum(p.numel() for p in model.parameters()) * 2  # bf16, the adapters merged into the base
+    assert plan["engine"] == "vllm" and plan["per_rank"]["generation"]["gpu"] == int(0.25 * plan["device"]["memory"])
+    assert plan["per_rank"]["generation"]["cpu"] == weights and plan["total"]["cpu"] >= weights
 
 
 def test_the_sampler_draws_from_the_softmax_at_the_temperature_with_noise_of_each_rows_own():
