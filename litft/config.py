@@ -60,6 +60,8 @@ class TrainArgs:
     """Write a resumable checkpoint to out_dir/checkpoints every this many optimizer steps (one is always written at the end; null: only then)."""
     keep_checkpoints: int = 2
     """Finished checkpoints kept in out_dir/checkpoints; older ones are deleted once a newer one is complete."""
+    async_save: bool = False
+    """Write checkpoints in the background: each rank copies its part to host memory and trains on while a thread writes it (one more host copy of a rank's training state; a checkpoint counts once complete, the run's last is waited for)."""
     peak_tflops: Optional[float] = None
     """Dense peak TFLOP/s of one device at the run's precision, for MFU (default: litft/model/flops.py's table for known GPUs; none for the CPU)."""
     record_sample_ids: bool = False

@@ -78,6 +78,7 @@ def fit(trainer) -> LoopState:
     stop_if_not_finite(trainer)
     if trainer.checkpointer.last_saved != state.step and not (state.stopped_by and state.step == trainer.start_step):
         save(trainer)
+    complete_save(trainer)
     if trainer.spec.eval.final_validation and not state.stopped_by:
         validate_and_log(trainer, scoring=True)
     trainer.meter.progress.close()
@@ -98,12 +99,15 @@ def next_batch(trainer) -> Optional[StepBatch]:
     # One all-reduce before the step: loss-carrying tokens (for the scale), input tokens, samples,
     # whether any rank was asked to stop, and the step's model FLOPs. Counted on the CPU from the
     # batches, and reduced there where the process group can (gloo): no accelerator sync.
+    # The last element: rank 0's background checkpoint write has ended, so every rank commits it now (--train.async_save).
     counts = torch.tensor(
         [sum(trainer.objective.count(b) for b in micro), sum(int(b["num_tokens"]) for b in micro), sum(len(b["ids"]) for b in micro),
-         float(reason is not None), flops],
+         float(reason is not None), flops, float(trainer.fabric.global_rank == 0 and trainer.checkpointer.written())],
         dtype=torch.float64, device=trainer.strategy.host_device,
     )
-    targets, tokens, samples, stopping, flops = trainer.strategy.sum_counts(counts).tolist()
+    targets, tokens, samples, stopping, flops, written = trainer.strategy.sum_counts(counts).tolist()
+    if written:
+        complete_save(trainer)
     # Each rank counts the targets of its own slice (all of them in a tensor-parallel group: loss and count alike, which the
     # scale and the logged mean divide out); tokens, samples and FLOPs once for every rank of a group.
     shared = trainer.context.shared
@@ -141,6 +145,7 @@ def train_step(trainer, batch: StepBatch) -> None:
                                        expert_load=trainer.expert_load, figures=trainer.objective.take_figures(),
                                        maxima=trainer.objective.take_maxima())
     if "loss" in metrics and not math.isfinite(metrics["loss"]):  # a log step's loss is the global one: every rank stops here
+        complete_save(trainer)  # a checkpoint of an earlier, finite step still being written is kept
         raise not_finite(float(state.first_nonfinite) if math.isfinite(float(state.first_nonfinite)) else state.step)
     state.history.append(metrics)
     trainer.profiler.after(state.step)
@@ -159,6 +164,7 @@ def stop_if_not_finite(trainer) -> None:
         flag = trainer.fabric.all_reduce(flag.clone(), reduce_op=torch.distributed.ReduceOp.MIN)
     first = float(flag)
     if math.isfinite(first):
+        complete_save(trainer)
         raise not_finite(first)
 
 
@@ -211,8 +217,27 @@ def harness_metrics(trainer) -> Dict[str, float]:
 
 
 def save(trainer) -> None:
+    """A checkpoint, and ``save_blocked_s`` in the metrics: the seconds training stood still for it (with --train.async_save,
+    the wait for the write before, the copy to host memory and the rank's random state)."""
     trainer.watch.at(trainer.state.step, "saving a checkpoint")
+    started = time.perf_counter()
+    complete_save(trainer)
     path = trainer.checkpointer.save(trainer.state.state_dict())
+    trainer.fabric.log_dict({"save_blocked_s": time.perf_counter() - started}, step=trainer.state.step)
+    if path is None:
+        trainer.meter.progress.message(f"step {trainer.state.step}: writing a checkpoint in the background")
+    else:
+        saved(trainer, path)
+
+
+def complete_save(trainer) -> None:
+    """The checkpoint written in the background (--train.async_save), committed on every rank, if one was pending."""
+    path = trainer.checkpointer.complete()
+    if path is not None:
+        saved(trainer, path)
+
+
+def saved(trainer, path) -> None:
     if trainer.fabric.global_rank == 0:
         trainer.out.settle()  # the run --overwrite set aside is gone for good once this run has a checkpoint
     trainer.meter.progress.message(f"step {trainer.state.step}: checkpoint {path}")

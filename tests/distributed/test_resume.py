@@ -56,6 +56,12 @@ def assert_chain_sees_each_sample_once(whole, middle, last):
 
 
 ZERO3 = ["--strategy", "deepspeed", "--deepspeed.stage", "3"]
+BACKGROUND = ["--train.async_save", "true"]  # checkpoints written by a thread while training goes on
+
+
+def committed_only(out_dir):
+    """Every checkpoint the run wrote was committed: none left partial."""
+    return not list((out_dir / "checkpoints").glob(".*.partial"))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,7 @@ def runs(tmp_path_factory, zero3_two_ranks):
     four = batch.add("four", 4, *fsdp4)
     batch.add("four-again", 4, *fsdp4, "--resume", checkpoint(four, 4))
     two = batch.add("two", 2, "finetune_full", *COMMON, "--strategy", "fsdp", "--fsdp.sharding_strategy", "HYBRID_SHARD", "--fsdp.shard_size", "1",
-                    "--devices", "2", "--train.micro_batch_size", "2", "--resume", checkpoint(four, 2))
+                    "--devices", "2", "--train.micro_batch_size", "2", "--resume", checkpoint(four, 2), *BACKGROUND)
     batch.add("two-one", 1, "finetune_full", *COMMON, "--train.micro_batch_size", "8", "--resume", checkpoint(two, 4))
     one = batch.add("zero3-one", 1, "finetune_full", *COMMON, *ZERO3, "--devices", "1", "--train.micro_batch_size", "8",
                     "--resume", checkpoint(whole, 2))
@@ -87,7 +93,7 @@ def runs(tmp_path_factory, zero3_two_ranks):
     batch.add("zero3-plain", 1, "finetune_full", *COMMON, "--train.micro_batch_size", "8", "--resume", checkpoint(whole, 4))
     lora = ["finetune_lora", *COMMON, *ZERO3, "--lora_r", "4", "--lora_dropout", "0.1", "--train.max_steps", "4", "--train.micro_batch_size", "2",
             "--devices", "2"]
-    lora_whole = batch.add("zero3-lora", 2, *lora)
+    lora_whole = batch.add("zero3-lora", 2, *lora, *BACKGROUND)
     batch.add("zero3-lora-resumed", 2, *lora, "--resume", checkpoint(lora_whole, 2))
     return batch
 
@@ -108,10 +114,11 @@ def test_fsdp_resume_on_four_ranks(four_ranks, runs):
 
 
 def test_topology_change_4_to_2_to_1_sees_every_sample_once(four_ranks, runs):
-    """4 ranks (FULL_SHARD) -> 2 ranks (HYBRID_SHARD, 2 replicas) -> 1 process, from the same data position."""
+    """4 ranks (FULL_SHARD) -> 2 ranks (HYBRID_SHARD, 2 replicas, checkpoints written in the background) -> 1 process, from
+    the same data position."""
     two, one = runs.out("two"), runs.out("two-one")
     meta = json.loads((checkpoint(two, 4) / "meta.json").read_text())
-    assert meta["world_size"] == 2 and meta["step"] == 4
+    assert meta["world_size"] == 2 and meta["step"] == 4 and committed_only(two)
     reference = losses(four_ranks)
     assert_close_losses(reference, losses(two), [3, 4, 5, 6])
     assert_close_losses(reference, losses(one), [5, 6])
@@ -169,8 +176,10 @@ def test_zero3_checkpoint_resumes_in_one_plain_process(zero3_two_ranks, runs):
 
 
 def test_deepspeed_zero3_lora_resume_and_convert(runs, tmp_path):
-    """LoRA with dropout under ZeRO-3: the adapters' states and every rank's generators come back; convert reads the checkpoint."""
+    """LoRA with dropout under ZeRO-3, checkpoints written in the background: the adapters' states and every rank's
+    generators come back; convert reads the checkpoint."""
     whole, resumed = runs.out("zero3-lora"), runs.out("zero3-lora-resumed")
+    assert committed_only(whole)
     assert len(list((checkpoint(whole, 2) / "model").glob("*.distcp"))) == 2
     assert sorted(losses(resumed)) == [3, 4]
     assert_close_losses(losses(whole), losses(resumed), [3, 4])

@@ -176,45 +176,80 @@ def test_metadata_with_foreign_pickle_is_refused(tmp_path):
 KILL_DURING_SAVE = """
 import sys, time
 import litft.checkpoint.manager as checkpoint
-real_write = checkpoint.write_synced
+real_write, real_save = checkpoint.write_synced, checkpoint.dcp.save
 def slow_write(path, text):
     if '"step": 4' in text:  # every rank's shards for step 4 are on disk, meta.json is not yet
         print("SAVING-STEP-4", flush=True)
         time.sleep(600)
     real_write(path, text)
-checkpoint.write_synced = slow_write
+def slow_save(state, checkpoint_id, **kwargs):
+    if "step-00000004" in str(checkpoint_id) and "--train.async_save" in sys.argv:  # the background write, under way
+        print("SAVING-STEP-4", flush=True)
+        time.sleep(600)
+    return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+checkpoint.write_synced, checkpoint.dcp.save = slow_write, slow_save
+import litft.run.loop as loop
+real_complete = loop.complete_save
+def complete_save(trainer):
+    pending = trainer.checkpointer.pending
+    if pending is not None and not pending.written.done():
+        print(f"WAITING-AT-STEP-{trainer.state.step}-FOR-STEP-{pending.step}", flush=True)
+    return real_complete(trainer)
+loop.complete_save = complete_save
 from litft.__main__ import main
 main(sys.argv[1:])
 """
+KILLED_RUN = [
+    "finetune_full", "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8", "--train.global_batch_size", "8",
+    "--train.micro_batch_size", "4", "--train.max_steps", "6", "--train.learning_rate", "3e-3", "--train.warmup_steps", "1",
+    "--train.save_interval", "2", "--eval.interval", "0", "--eval.max_batches", "1", "--eval.initial_validation", "false",
+    "--precision", "32-true", "--accelerator", "cpu",
+]
 
 
-def test_kill_during_save_leaves_previous_checkpoint_resumable(tmp_path):
-    args = [
-        "finetune_full", "--data", "TinyTasks", "--data.num_train", "64", "--data.num_val", "8", "--train.global_batch_size", "8",
-        "--train.micro_batch_size", "4", "--train.max_steps", "6", "--train.learning_rate", "3e-3", "--train.warmup_steps", "1",
-        "--train.save_interval", "2", "--eval.interval", "0", "--eval.max_batches", "1", "--eval.initial_validation", "false",
-        "--precision", "32-true", "--accelerator", "cpu",
-    ]
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "run"
+    run_cli(*KILLED_RUN, "--out_dir", out)
+    return losses_by_step(out)
+
+
+@pytest.mark.parametrize("writes", ["in-line", "background"])
+def test_kill_during_save_leaves_previous_checkpoint_resumable(tmp_path, uninterrupted, writes):
+    """Killed at step 4's save: in-line, after the shards and before meta.json; in the background, in the middle of the
+    write while training went on. Either way step 2 is the newest checkpoint and the resumed run is the uninterrupted one."""
+    args = [*KILLED_RUN, *(["--train.async_save", "true"] if writes == "background" else [])]
     out = tmp_path / "killed"
     proc = subprocess.Popen(
         [sys.executable, "-c", KILL_DURING_SAVE, *args, "--out_dir", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
-    deadline = time.time() + 240
+    deadline, said = time.time() + 240, []
     for line in proc.stdout:
+        said.append(line)
         if "SAVING-STEP-4" in line or time.time() > deadline:
             break
+    if writes == "background":  # the loop is not held by the write: it trains on and waits for it only at its final save
+        for line in proc.stdout:
+            said.append(line)
+            if "WAITING-AT-STEP-" in line or time.time() > deadline:
+                break
+        assert "WAITING-AT-STEP-6-FOR-STEP-4" in "".join(said), "".join(said)[-3000:]
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     root = out / "checkpoints"
-    assert sorted(p.name for p in root.iterdir()) == [".step-00000004.partial", "step-00000002"]
-    assert (root / ".step-00000004.partial" / "model" / ".metadata").is_file()  # the shards were there, the commit was not
+    assert sorted(p.name for p in root.iterdir()) == [".step-00000004.partial", "step-00000002"], "".join(said)[-3000:]
+    # In-line: the shards were there, the commit was not. In the background: the write itself was stopped.
+    assert (root / ".step-00000004.partial" / "model" / ".metadata").is_file() == (writes == "in-line")
+    if writes == "background":
+        assert "step 4: writing a checkpoint in the background" in "".join(said), "".join(said)[-3000:]
 
     run_cli(*args, "--out_dir", out, "--resume", "auto")
-    run_cli(*args, "--out_dir", tmp_path / "whole")
-    whole, resumed = losses_by_step(tmp_path / "whole"), losses_by_step(out)
-    assert [resumed[s] for s in range(1, 7)] == [whole[s] for s in range(1, 7)]
+    resumed = losses_by_step(out)
+    assert [resumed[s] for s in range(1, 7)] == [uninterrupted[s] for s in range(1, 7)]
     assert sorted(p.name for p in root.iterdir()) == ["step-00000004", "step-00000006"]
+    blocked = [r["save_blocked_s"] for r in read_metrics(out) if "save_blocked_s" in r]
+    assert len(blocked) >= 2 and all(0 <= b < 60 for b in blocked)
 
 
 def test_lora_export_checks_the_disk_and_writes_the_adapter_first(tmp_path, tiny_dir, monkeypatch):

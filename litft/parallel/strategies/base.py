@@ -225,14 +225,14 @@ class TrainingStrategy:
         """What the checkpoint's meta records about how it was written."""
         return {"format": self.checkpoint_format, "strategy": self.layout.strategy, "zero_stage": None}
 
-    def save(self, folder: Path, lm, optimizer) -> None:
-        """This rank's part of the training state (trained tensors and optimizer states), under ``folder``.
+    def checkpoint_state(self, lm, optimizer) -> dict:
+        """This rank's part of the training state (trained tensors and optimizer states), as DCP writes it.
 
         DCP stores every tensor by name and global shape, so what one process, DDP,
         FSDP or DeepSpeed wrote reads back on any number of ranks and any sharding.
         """
         state_dict, _ = _model_and_optimizer_state(lm, optimizer)
-        dcp.save(state_dict, checkpoint_id=str(folder / "model"))
+        return state_dict
 
     def load(self, folder: Path, lm, optimizer) -> None:
         state_dict, inner = _model_and_optimizer_state(lm, optimizer)

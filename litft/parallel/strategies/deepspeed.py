@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
 from lightning_fabric.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning_fabric.utilities.seed import reset_seed
 
@@ -289,11 +288,10 @@ class DeepSpeed(TrainingStrategy):
             self._shards = RowShards(torch.device("cpu") if self.backend == "gloo" else self.fabric.device, self.mesh.rows_mesh())
         return self._shards
 
-    def save(self, folder: Path, lm, optimizer) -> None:
+    def checkpoint_state(self, lm, optimizer) -> dict:
         """Each trained tensor split by rows over the ranks, under the names a plain AdamW run's state has."""
         ds_optimizer = self.fabric.strategy.model.optimizer
-        state = training_state(trained_parameters(lm.model), ds_optimizer, self._row_shards(), unsharded_entries(lm.model))
-        dcp.save(state, checkpoint_id=str(folder / "model"))
+        return training_state(trained_parameters(lm.model), ds_optimizer, self._row_shards(), unsharded_entries(lm.model))
 
     def load(self, folder: Path, lm, optimizer) -> None:
         """Whatever strategy, stage and world size wrote it: read this rank's rows, then each parameter whole, one at a time."""
