@@ -22,16 +22,32 @@ from litft.rl.engine import Engine
 SEED_MASK = 2**63 - 1
 
 
+def tied_names(hf_model) -> Dict[str, List[str]]:
+    """Each parameter's other names where the model ties it (the output head to the input embedding): ``named_parameters``
+    names a tied parameter once, and vLLM leaves a head it is not given at its placeholder values."""
+    first: Dict[int, str] = {}
+    others: Dict[str, List[str]] = {}
+    for name, param in hf_model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            others.setdefault(first[id(param)], []).append(name)
+        else:
+            first[id(param)] = name
+    return others
+
+
 def served_weights(hf_model, weights: Iterator[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
     """The weights vLLM serves, by the transformers model's own names: each LoRA layer's base weight with its adapter merged
-    in (base + scaling * B @ A, in fp32), every other tensor as it is."""
+    in (base + scaling * B @ A, in fp32), every other tensor as it is, a tied one under each of its names."""
     pending: Dict[str, dict] = {}
+    tied = tied_names(hf_model)
     for name, tensor in weights:
         if name.endswith(".base_layer.bias"):
             yield name.replace(".base_layer.", "."), tensor
             continue
         if ".lora_" not in name and ".base_layer." not in name:
             yield name, tensor
+            for alias in tied.get(name, ()):
+                yield alias, tensor
             continue
         layer = name.split(".base_layer.")[0] if ".base_layer." in name else name.split(".lora_")[0]
         parts = pending.setdefault(layer, {})
