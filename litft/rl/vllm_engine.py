@@ -69,6 +69,7 @@ class VLLMEngine(Engine):
                  dtype: torch.dtype, device: torch.device, memory: float, kv_cache_gib: int, world_size: int, rank: int = 0,
                  local_rank: int = 0):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the weights pass by reference
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not three lines at every weight push between the progress lines
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         try:

