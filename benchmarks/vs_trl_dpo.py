@@ -28,7 +28,6 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from vs_hf_trainer import RESULT, WORDS, peer_side, run_litft, smollm2_folder, steady_rates  # noqa: E402
+from vs_hf_trainer import RESULT, WORDS, peer_side, run_litft, steady_rates, work_and_model  # noqa: E402
 
 SIDES = ("litft", "trl", "trl-padding-free", "litft-checkpointed")
 
@@ -167,9 +166,7 @@ def trl_side(args, model_path: Path, work: Path, padding_free: bool) -> dict:
 def main(argv=None) -> None:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="litft-vs-trl-"))
-    work.mkdir(parents=True, exist_ok=True)
-    model = smollm2_folder() if args.model == "smollm2" else Path(args.model)
+    work, model = work_and_model(args, "litft-vs-trl-")
     if args._side is not None:  # inside a TRL side's own process
         print(RESULT + json.dumps(trl_side(args, model, work, padding_free=args._side == "trl-padding-free")), flush=True)
         return

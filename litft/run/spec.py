@@ -4,14 +4,12 @@
 starts; every layer above reads it, none below it.
 """
 
-import shutil
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple, Union
 
 import torch
 
-from litft.checkpoint.format import RUN_CONFIG
 from litft.config import EvalArgs, Layout, LoraArgs, TrainArgs
 from litft.objectives.args import ObjectiveArgs
 from litft.data.base import DataModule, data_config
@@ -116,24 +114,6 @@ class RunSpec:
         if self.resume == "auto":
             return True
         return Path(self.resume).expanduser().resolve().is_relative_to(self.out_dir.expanduser().resolve())
-
-    def check_out_dir(self) -> None:
-        """Refuse an out_dir with files in it, unless it is an earlier litft run and --overwrite or --resume was given."""
-        out = self.out_dir
-        if out.exists() and not out.is_dir():
-            raise LitftError(f"--out_dir {out} is a file; choose a folder")
-        if not out.exists() or not any(out.iterdir()):
-            return
-        if not (out / RUN_CONFIG).is_file():
-            raise LitftError(f"--out_dir {out} holds files that litft did not write; choose another --out_dir")
-        if self.resumes_inside_out_dir:
-            return  # continuing the run that is there
-        if not self.overwrite:
-            raise LitftError(f"--out_dir {out} already holds a run; choose another --out_dir, pass --resume auto to continue it or --overwrite true")
-        # --overwrite with a --resume from elsewhere: this folder's earlier run is replaced, the checkpoint read is not touched.
-        # Only what a litft run writes is replaced; anything else the user put there stays.
-        for name in ("final", "final-adapter", "logs", "checkpoints"):
-            shutil.rmtree(out / name, ignore_errors=True)
 
 
 def config_of(values: dict) -> dict:
