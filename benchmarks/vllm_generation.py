@@ -62,6 +62,15 @@ def prompt_ids(model: Path, count: int) -> tuple:
     return prompts, [tokenizer.eos_token_id]
 
 
+def kv_space_gib(model: Path, rows: int, max_model_len: int) -> int:
+    """The KV cache both sides take on a CPU: what GRPO gives its engine for these rows (fp32)."""
+    from transformers import AutoConfig
+
+    from litft.rl.vllm_engine import kv_cache_gib
+
+    return kv_cache_gib(AutoConfig.from_pretrained(model), rows, max_model_len, 4)
+
+
 def seeds(count: int) -> list:
     return [1000 + k for k in range(count)]
 
@@ -79,15 +88,11 @@ def vllm_side(args, model: Path) -> dict:
     import torch
     from vllm import LLM, SamplingParams
 
-    from transformers import AutoConfig
-
-    from litft.rl.vllm_engine import kv_cache_gib
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     prompts, stops = prompt_ids(model, args.prompts)
     max_model_len = max(map(len, prompts)) + args.max_new_tokens
     if not torch.cuda.is_available():  # the KV cache the engine side takes (vLLM's CPU default is sized from the host's memory)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib(AutoConfig.from_pretrained(model), len(prompts) * args.group, max_model_len, 4)))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_space_gib(model, len(prompts) * args.group, max_model_len)))
     llm = LLM(model=str(model), dtype="float32", seed=0, max_model_len=max_model_len, enforce_eager=not torch.cuda.is_available())
     requests = [{"prompt_token_ids": p} for p in prompts for _ in range(args.group)]
     params = [SamplingParams(temperature=1.0, max_tokens=args.max_new_tokens, seed=s, stop_token_ids=stops)
@@ -102,16 +107,16 @@ def vllm_side(args, model: Path) -> dict:
 
 def engine_side(args, model: Path) -> dict:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from litft.rl.vllm_engine import VLLMEngine, kv_cache_gib
+    from litft.rl.vllm_engine import VLLMEngine
 
     prompts, stops = prompt_ids(model, args.prompts)
     max_model_len = max(map(len, prompts)) + args.max_new_tokens
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     engine = VLLMEngine(model=str(model), stops=stops, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0,
                         max_model_len=max_model_len, dtype=torch.float32, device=device, memory=0.3,
-                        kv_cache_gib=kv_cache_gib(AutoConfig.from_pretrained(model), args.prompts * args.group, max_model_len, 4),
+                        kv_cache_gib=kv_space_gib(model, args.prompts * args.group, max_model_len),
                         world_size=1)
     trained = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     pushes = []

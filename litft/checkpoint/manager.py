@@ -47,7 +47,7 @@ class PendingSave:
     step: int
     partial: Path
     final: Path
-    written: Future
+    written: Optional[Future]  # None when written in line
     meta: CheckpointMeta
     extras: Dict[str, object]
 
@@ -93,7 +93,7 @@ class Checkpointer:
         step that finds it written, the next save, or the run's end) and None is returned meanwhile.
         """
         fabric, step = self.fabric, position["step"]
-        self.complete()  # one background write at a time
+        assert self.pending is None, "complete() the background write before the next save"  # the loop does, to report it
         root = self.out_dir / CHECKPOINTS
         final, partial = root / step_name(step), root / f".{step_name(step)}.partial"
 
@@ -114,22 +114,20 @@ class Checkpointer:
                 return None
             staged = host_copy(state)
             writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="litft-checkpoint")
-            written = writer.submit(dcp.save, staged, checkpoint_id=str(partial / "model"), process_group=group)
+            future = writer.submit(dcp.save, staged, checkpoint_id=str(partial / "model"), process_group=group)
             writer.shutdown(wait=False)  # the thread ends with its one write
-            return written
+            return future
 
-        written = on_every_rank(fabric, write_own_part, f"writing checkpoint {final}")
+        future = on_every_rank(fabric, write_own_part, f"writing checkpoint {final}")
         meta = replace(self.meta, position=dict(position), world_size=fabric.world_size, scheduler=self.scheduler.state_dict())
         extras = {name: value() if callable(value) else value for name, value in self.extras.items()} if fabric.global_rank == 0 else {}
         self.last_saved = step
+        pending = PendingSave(step, partial, final, future, meta, extras)
         if self.background:
-            self.pending = PendingSave(step, partial, final, written, meta, extras)
+            self.pending = pending
             return None
-        fabric.barrier()
-        on_rank_zero(fabric, lambda: self._commit(partial, final, meta, extras), f"finishing checkpoint {final}")
-        fabric.barrier()
-        self.last_path = final
-        return final
+        fabric.barrier()  # every rank's files are written
+        return self._commit_everywhere(pending)
 
     def written(self) -> bool:
         """Whether this rank's background write has ended (rank 0's ends after every rank's: DCP's metadata is written last)."""
@@ -141,26 +139,28 @@ class Checkpointer:
         if self.pending is None:
             return None
         pending, self.pending = self.pending, None
-        fabric = self.fabric
-        on_every_rank(fabric, pending.wait, f"writing checkpoint {pending.final}")
-        on_rank_zero(fabric, lambda: self._commit(pending.partial, pending.final, pending.meta, pending.extras),
-                     f"finishing checkpoint {pending.final}")
-        fabric.barrier()
+        on_every_rank(self.fabric, pending.wait, f"writing checkpoint {pending.final}")  # every rank's files are written
+        return self._commit_everywhere(pending)
+
+    def _commit_everywhere(self, pending: "PendingSave") -> Path:
+        """Rank 0 commits the checkpoint every rank has written; every rank then knows it as the newest."""
+        on_rank_zero(self.fabric, lambda: self._commit(pending), f"finishing checkpoint {pending.final}")
+        self.fabric.barrier()
         self.last_path = pending.final
         return pending.final
 
-    def _commit(self, partial: Path, final: Path, meta: CheckpointMeta, extras: Dict[str, object]) -> None:
-        """Rank 0, once every rank's files are written: run config, extras and meta.json, then the rename that makes it count."""
-        root = final.parent
+    def _commit(self, pending: "PendingSave") -> None:
+        """Rank 0: run config, extras and meta.json, then the rename that makes the checkpoint count."""
+        partial, final = pending.partial, pending.final
         (partial / RUN_CONFIG).write_text(yaml.safe_dump(self.run_config, sort_keys=False))
-        for name, value in extras.items():
+        for name, value in pending.extras.items():
             if value is not None:
                 torch.save(value, partial / name)
-        write_synced(partial / META, meta.to_json())
+        write_synced(partial / META, pending.meta.to_json())
         if final.exists():  # the same step saved before (a resumed run ending where it started)
             shutil.rmtree(final)
         os.replace(partial, final)
-        fsync_dir(root)
+        fsync_dir(final.parent)
         for old in complete_checkpoints(self.out_dir)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
