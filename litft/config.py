@@ -52,6 +52,10 @@ class TrainArgs:
     """Clip the global gradient norm to this value (None: no clipping)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    activation_offload: bool = False
+    """Keep what the forward saves for the backward in host memory, copied out and back on a side stream while the GPU computes (with gradient_checkpointing: only each block's input). Exact; costs host memory and PCIe time the compute usually hides."""
+    tiled_mlp: bool = False
+    """Run each dense MLP over the sequence in chunks of hidden_size tokens, each recomputed in the backward, so a long sequence never holds its whole MLP intermediate (ALST's tiled MLP). Exact up to float rounding; a third more MLP compute."""
     stop_after_steps: Optional[int] = None
     """End this launch after this many steps with a checkpoint, as a stop signal does (for queues whose time limit is shorter than the run: each job continues with --resume auto)."""
     log_interval: int = 1

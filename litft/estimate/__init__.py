@@ -14,7 +14,7 @@ import json as jsonlib
 from typing import Literal, Optional
 
 from litft.config import TrainArgs
-from litft.estimate.plan import plan_memory, render
+from litft.estimate.plan import longest_sequence, plan_memory, render
 from litft.cli.flags import (
     CONTEXT_PARALLEL, DEEPSPEED, DEVICES, FSDP, JOB, LORA_ALPHA, LORA_DROPOUT, LORA_R, LORA_TARGETS, MODEL, NUM_NODES, OBJECTIVE, PRECISION, QUANTIZE,
     EXPERT_PARALLEL, STRATEGY, TENSOR_PARALLEL, TRAIN, Flag, command, required,
@@ -37,7 +37,7 @@ ESTIMATE_FLAGS = [
     LORA_ALPHA.but(help="Adapter scale numerator."),
     LORA_DROPOUT.but(help="Dropout on the adapters' input (it keeps a copy of their input for backward)."),
     LORA_TARGETS.but(help='Module names to adapt, or "all-linear".'),
-    TRAIN.but(default=TrainArgs(micro_batch_size=1), help="Only micro_batch_size and gradient_checkpointing change memory; accumulation does not, as gradients are counted whole beside the activations, where accumulation's later micro-batches have them."),
+    TRAIN.but(default=TrainArgs(micro_batch_size=1), help="Only micro_batch_size, gradient_checkpointing, activation_offload (device activations to host memory) and tiled_mlp change memory; accumulation does not, as gradients are counted whole beside the activations, where accumulation's later micro-batches have them."),
     OBJECTIVE.but(help="sft, a preference objective (dpo, ipo, simpo, orpo: a micro-batch then holds micro_batch_size pairs, two sequences each, and DPO/IPO under LoRA add the reference's no-grad forward), or grpo (a micro-batch holds completions with their prompts; sampling holds one generate call's groups' KV cache between steps)."),
     Flag("seq_len", Optional[int], None, "Tokens in each sample of a micro-batch (the data's max_seq_length, or the packed row length; for pairs, prompt plus one response; default 2048); under grpo the longest prompt (default 512), to which --objective.max_new_tokens are added."),
     Flag("accelerator", Literal["cuda", "cpu"], "cuda", "Where the run trains: cuda (one GPU per rank, --gpu), or cpu (the ranks share this machine's memory, or --device_memory_gb)."),
@@ -45,6 +45,8 @@ ESTIMATE_FLAGS = [
     Flag("device_memory_gb", Optional[float], None, "Memory of one device in GiB; overrides --gpu."),
     Flag("headroom", float, 0.1, "Share of device memory to leave free for the allocator's fragmentation and what is not counted."),
     Flag("attention", Optional[Literal["sdpa", "eager"]], None, "Attention kernel to estimate for (default: what transformers picks for the model, as the jobs do)."),
+    Flag("longest", bool, False, "Find the longest --seq_len that fits the device with these flags (a few traced estimates; "
+         "--seq_len, default 2048, is where the search starts) and show the estimate at it."),
     Flag("json", bool, False, "Print the estimate as JSON instead of a table."),
 ]
 
@@ -52,7 +54,7 @@ ESTIMATE_FLAGS = [
 @command(ESTIMATE_FLAGS)
 def estimate(**flags) -> dict:
     """Estimate the GPU and CPU memory one rank of a training run needs, from the model's config alone."""
-    plan = plan_memory(flags)
+    plan = longest_sequence(flags) if flags.get("longest") else plan_memory(flags)
     print(jsonlib.dumps(plan, indent=2) if flags["json"] else render(plan))
     return plan
 
@@ -61,7 +63,8 @@ def memory_plan(**flags) -> dict:
     """The estimate as data, for code: the same keywords and defaults as ``litft estimate``'s flags."""
     bound = inspect.signature(estimate).bind(**flags)
     bound.apply_defaults()
-    return plan_memory(dict(bound.arguments))
+    flags = dict(bound.arguments)
+    return longest_sequence(flags) if flags.get("longest") else plan_memory(flags)
 
 
 __all__ = ["estimate", "memory_plan", "plan_memory", "render"]

@@ -1,5 +1,6 @@
 """The estimate itself: the job's model and checks, the strategy's layout, the traced activations, and the table."""
 
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -132,7 +133,7 @@ def plan_memory(flags: dict) -> dict:
     # heads / N heads, the same size.
     row_len = flags["seq_len"] + (objective.max_new_tokens if objective.rl else 0)  # RL trains on each prompt and its completion
     tokens_per_rank = -(-row_len // layout.context_parallel)
-    traced = trace_both(config, strategy, layout, precision, lora, train, tokens_per_rank, frozen_dtype, objective)
+    traced = trace_both(config, strategy, layout, precision, lora, train, tokens_per_rank, frozen_dtype, objective, flags.get("one_mode", False))
     itemsize = element_size(compute_dtype(precision))
     experts = experts_facts(config, tensors, layout.expert_parallel, train.micro_batch_size * tokens_per_rank * built.rows_per_sample,
                             itemsize, flags["seq_len"])
@@ -146,6 +147,7 @@ def plan_memory(flags: dict) -> dict:
         "reference": built.describe() or "", "seq_len": flags["seq_len"], "context_parallel": layout.context_parallel,
         "tensor_parallel": layout.tensor_parallel, "expert_parallel": layout.expert_parallel, "experts": experts,
         "gradient_checkpointing": train.gradient_checkpointing, "attention": config._attn_implementation,
+        "activation_offload": train.activation_offload, "tiled_mlp": train.tiled_mlp,
         "parameters": {"total": sum(t.numel for t in tensors), "trained": sum(t.numel for t in tensors if t.trainable),
                        "quantized": sum(t.numel for t in tensors if t.quantized)},
         "quant_state_bytes": sum(t.quant_state for t in tensors),
@@ -153,6 +155,49 @@ def plan_memory(flags: dict) -> dict:
     report.update(accelerator="cpu" if on_cpu else "cuda", engine=engine, prompts_per_call=prompts_per_call(flags, objective, layout), row_len=row_len)
     return {**report, **totals(states, buffers, traced, train.gradient_checkpointing, generation, layout, gpu_name, capacity, flags["headroom"],
                                context=0 if on_cpu else CUDA_CONTEXT + (NCCL_BUFFERS if layout.world_size > 1 else 0))}
+
+
+def longest_sequence(flags: dict) -> dict:
+    """The estimate at the longest ``--seq_len`` that fits the device with these flags, its ``longest_seq_len`` set.
+
+    Activations grow about linearly with the sequence (quadratically only under eager attention), so a secant step on the
+    estimate's total against the usable memory, from two short traces, lands near the answer; each guess is then traced
+    for real (the run's checkpointing only; a trace's time grows with its length, about 25 s at 256k tokens for an 8B),
+    the bracket (longest fitting, shortest not) narrows to 1% (or 64 tokens), and the answer is estimated in full.
+    """
+    if objective_of(flags).rl:
+        raise LitftError("--longest searches a training sequence's length; under grpo give --seq_len and --objective.max_new_tokens")
+    fits, fails, points = 0, math.inf, []  # the longest that fits, the shortest that does not, (seq, total - usable) traced
+    usable = [0]
+
+    def measure(seq: int) -> None:
+        nonlocal fits, fails
+        plan = plan_memory({**flags, "seq_len": seq, "longest": False, "one_mode": True})
+        usable[0] = plan["device"]["usable"]
+        points.append((seq, plan["total"]["gpu"] - usable[0]))
+        if plan["fits"]:
+            fits = max(fits, seq)
+        else:
+            fails = min(fails, seq)
+
+    start = flags.get("seq_len") or 2048
+    measure(start)
+    measure(16 * start)  # far enough from the short sequence's fixed costs for the line through both to point well
+    while fails - fits > max(64, fits // 100) and len(points) < 12:
+        (s0, f0), (s1, f1) = points[-2], points[-1]
+        if -0.01 * usable[0] < f1 <= 0:  # the latest fits with under 1% to spare: is one step more already too long?
+            guess = max(fits + 64, (fits + fits // 100) // 64 * 64)
+        else:
+            guess = s1 - f1 * (s1 - s0) / (f1 - f0) if f1 != f0 else 4 * s1
+            guess = int(guess) // 64 * 64
+        if not fits < guess < fails:  # outside the bracket: halve it (or keep growing while nothing has failed)
+            guess = 4 * fits if fails == math.inf else (fits + fails) // 2 // 64 * 64
+        if guess <= fits:  # the bracket is narrower than the rounding
+            break
+        measure(guess)
+    if not fits:
+        raise LitftError(f"not even {start} tokens fit {flags['gpu']} with these flags; lower --seq_len, or see litft estimate without --longest")
+    return {**plan_memory({**flags, "seq_len": fits, "longest": False}), "longest_seq_len": fits}
 
 
 def sampling_row(engine, flags, objective, built, config, tensors, states, strategy, layout, itemsize: int, capacity: float) -> Row:
@@ -193,16 +238,20 @@ def host_memory(memory_gb: Optional[float]) -> Tuple[str, float]:
     return "CPU (host memory)", float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def trace_both(config, strategy, layout, precision: str, lora, train, tokens_per_rank: int, frozen_dtype, objective) -> dict:
-    """The activations of one micro-batch on one rank, traced with activation checkpointing on and off."""
+def trace_both(config, strategy, layout, precision: str, lora, train, tokens_per_rank: int, frozen_dtype, objective,
+               one_mode: bool = False) -> dict:
+    """The activations of one micro-batch on one rank, traced with activation checkpointing on and off (``one_mode``: the
+    run's own only, standing for both: ``longest_sequence``'s probes read only the run's total)."""
     params_dtype, autocast = strategy.compute_view(layout, precision)
     traced = {}
-    for checkpointing in (train.gradient_checkpointing, not train.gradient_checkpointing):
-        build = {"precision": precision, "lora": lora, "gradient_checkpointing": checkpointing, "frozen_dtype": frozen_dtype}
+    for checkpointing in (train.gradient_checkpointing,) if one_mode else (train.gradient_checkpointing, not train.gradient_checkpointing):
+        build = {"precision": precision, "lora": lora, "gradient_checkpointing": checkpointing, "frozen_dtype": frozen_dtype,
+                 "tiled_mlp": train.tiled_mlp}
         traced[checkpointing] = trace_activations(
             one_rank_of(config, layout.tensor_parallel), build, params_dtype, autocast, train.micro_batch_size, tokens_per_rank,
-            objective=objective,
+            objective=objective, offload=train.activation_offload,
         )
+    traced.setdefault(not train.gradient_checkpointing, traced[train.gradient_checkpointing])
     return traced
 
 
@@ -226,7 +275,7 @@ def totals(states, buffers, traced: dict, checkpointing: bool, generation: Row, 
     gpu_total = gpu_fixed + max(acts.peak + gpu_buffers, states.step.gpu, generation.gpu + gpu_buffers)
     gpu_total_other = gpu_fixed + max(other.peak + gpu_buffers, states.step.gpu, generation.gpu + gpu_buffers)
     cpu_total = (states.params.cpu + states.grads.cpu + states.optimizer.cpu + sum(row.cpu for _, row in buffers) + states.step.cpu
-                 + generation.cpu)
+                 + generation.cpu + acts.offloaded)
     usable = capacity * (1 - headroom)
 
     def row(r: Row) -> dict:
@@ -235,7 +284,7 @@ def totals(states, buffers, traced: dict, checkpointing: bool, generation: Row, 
     return {
         "per_rank": {
             "params": row(states.params), "grads": row(states.grads), "optimizer": row(states.optimizer),
-            "activations": {"gpu": acts.peak, "cpu": 0, "note": ""}, "buffers": {name: row(r) for name, r in buffers},
+            "activations": {"gpu": acts.peak, "cpu": acts.offloaded, "note": ""}, "buffers": {name: row(r) for name, r in buffers},
             "cuda_context": {"gpu": int(context), "cpu": 0, "note": "CUDA context" + (" + NCCL" if layout.world_size > 1 and context else "")},
             "optimizer_step": row(states.step), "generation": row(generation),
         },
@@ -283,7 +332,9 @@ def heading(plan: dict) -> List[str]:
         f"micro batch {plan['micro_batch_size']} x {plan.get('row_len', plan['seq_len'])} tokens"
         + (f" split over {plan['context_parallel']} ranks (context parallel)" if plan["context_parallel"] > 1 else "")
         + (f", blocks split over {plan['tensor_parallel']} ranks (tensor parallel)" if plan["tensor_parallel"] > 1 else "") + ", "
-        f"activation checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, {plan['attention']} attention",
+        f"activation checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, {plan['attention']} attention"
+        + (", activations offloaded to host memory" if plan.get("activation_offload") else "")
+        + (", tiled MLP" if plan.get("tiled_mlp") else ""),
         *([f"experts: {e['per_rank']} of {e['per_layer']} per MoE layer on each rank"
            + (f" (dealt out over {plan['expert_parallel']} ranks)" if plan["expert_parallel"] > 1 else "")
            + f", {e['top_k']} per token; {_count(e['active_parameters'])} active parameters per token"
@@ -313,7 +364,8 @@ def rows(plan: dict) -> List[str]:
     other = acts["without_checkpointing"] if plan["gradient_checkpointing"] else acts["with_checkpointing"]
     line(
         "activations (peak)", rank["activations"],
-        f"{acts['per_layer'] / GiB:.2f} per layer + {acts['outside_layers'] / GiB:.2f} head, embeddings and loss; "
+        f"{acts['per_layer'] / GiB:.2f} per layer + {acts['outside_layers'] / GiB:.2f} the rest (a block's backward, head, "
+        "embeddings, loss); "
         f"{other / GiB:.2f} {'without' if plan['gradient_checkpointing'] else 'with'} checkpointing",
     )
     for name, item in rank["buffers"].items():
@@ -335,6 +387,9 @@ def rows(plan: dict) -> List[str]:
         f"{device['name']}: {device['memory'] / GiB:.1f} GiB, {device['usable'] / GiB:.1f} usable with "
         f"{device['headroom']:.0%} headroom -> {verdict}"
     )
+    if plan.get("longest_seq_len"):
+        lines.append(f"longest sequence that fits: {plan['longest_seq_len']:,} tokens per sample at micro batch {plan['micro_batch_size']} "
+                     "(within 1%; the table is that run)")
     other = plan["total_other_checkpointing"]
     if not plan["fits"] and other["gpu"] < total["gpu"]:
         fits = "fits" if other["gpu"] <= device["usable"] else "still does not fit"

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 from litft.run.build import build_model
 from litft.config import TrainArgs
 from litft.model.causal_lm import CausalLM
+from litft.model.offload import CountedOffload
 from litft.objectives import build_objective
 from litft.objectives.args import ObjectiveArgs
 
@@ -180,21 +181,25 @@ class Trace:
 
     peak: int  # the most at any moment of forward + backward
     saved: int  # what the forward leaves for the backward (the loss computed)
+    offloaded: int = 0  # host bytes under activation offload
 
 
-def trace_step(config, layers: int, build: dict, params_dtype, autocast, micro_batch_size: int, seq_len: int, objective=None) -> Trace:
-    """One forward and backward of the job's module (``model.CausalLM``, its loss included) on fake tensors."""
+def trace_step(config, layers: int, build: dict, params_dtype, autocast, micro_batch_size: int, seq_len: int, objective=None,
+               offload: bool = False) -> Trace:
+    """One forward and backward of the job's module (``model.CausalLM``, its loss included) on fake tensors; ``offload``: under
+    activation offload, what stays on the device (the host's share in ``offloaded``)."""
     model = build_model(_with_layers(config, layers), **build)
     with warnings.catch_warnings():
         # torch.utils.checkpoint's advice about use_reentrant, given where peft enables checkpointing for QLoRA.
         warnings.simplefilter("ignore")
-        return _trace(model, params_dtype, autocast, micro_batch_size, seq_len, objective)
+        return _trace(model, params_dtype, autocast, micro_batch_size, seq_len, objective, offload)
 
 
-def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int, objective=None) -> Trace:
+def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int, objective=None, offload: bool = False) -> Trace:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     _fake_model(model, fake_mode, params_dtype)
-    lm = CausalLM(model, TrainArgs(), build_objective(objective or ObjectiveArgs(), lora=hasattr(model, "disable_adapter")))
+    lm = CausalLM(model, TrainArgs(activation_offload=offload), build_objective(objective or ObjectiveArgs(), lora=hasattr(model, "disable_adapter")))
+    lm.offload_kind = CountedOffload
     lm.train()
     tensors = list(lm.parameters()) + list(lm.buffers())
     gc.collect()
@@ -216,7 +221,7 @@ def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int, o
     # Gradients are counted on their own row; the storages that became .grad leave the replay.
     grads = [p.grad.untyped_storage()._cdata for p in lm.parameters() if p.grad is not None]
     peak, at = ledger.replay({ledger.live[key][0] for key in grads if key in ledger.live})
-    return Trace(peak=peak, saved=at["forward"])
+    return Trace(peak=peak, saved=at["forward"], offloaded=lm.offloaded_bytes)
 
 
 @dataclass
@@ -225,23 +230,29 @@ class Activations:
     saved: int
     per_layer: int  # peak's growth per transformer block
     outside_layers: int  # embeddings, logits and the fp32 loss: the peak with no block
+    offloaded: int = 0  # host bytes under activation offload
 
 
-def trace_activations(config, build: dict, params_dtype, autocast, micro_batch_size: int, seq_len: int, objective=None) -> Activations:
+def trace_activations(config, build: dict, params_dtype, autocast, micro_batch_size: int, seq_len: int, objective=None,
+                      offload: bool = False) -> Activations:
     """Traces with 1 and 2 blocks; their difference is one block's share, repeated to the model's depth.
 
     The first block is traced as it is (its input, from a frozen embedding, may need no
     gradient), and every later one is like the second.
     """
     depth = config.num_hidden_layers
-    one = trace_step(config, 1, build, params_dtype, autocast, micro_batch_size, seq_len, objective)
+    one = trace_step(config, 1, build, params_dtype, autocast, micro_batch_size, seq_len, objective, offload)
     if depth == 1:
-        return Activations(one.peak, one.saved, one.peak, 0)
-    two = trace_step(config, 2, build, params_dtype, autocast, micro_batch_size, seq_len, objective)
-    per_layer, per_layer_saved = two.peak - one.peak, two.saved - one.saved
+        return Activations(one.peak, one.saved, one.peak, 0, one.offloaded)
+    two = trace_step(config, 2, build, params_dtype, autocast, micro_batch_size, seq_len, objective, offload)
+    per_layer_saved = two.saved - one.saved
+    # Offloaded, a block adds on the device only what stays there; the two-block peak's growth is the backward's prefetch
+    # overlapping one block's recompute, which more blocks do not repeat.
+    per_layer = per_layer_saved if offload else two.peak - one.peak
     return Activations(
         peak=two.peak + (depth - 2) * per_layer,
         saved=two.saved + (depth - 2) * per_layer_saved,
         per_layer=per_layer,
         outside_layers=one.peak - per_layer,
+        offloaded=two.offloaded + (depth - 2) * (two.offloaded - one.offloaded),
     )

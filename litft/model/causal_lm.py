@@ -13,6 +13,8 @@ from litft.errors import LitftError
 from litft.model.experts import counting_only
 from litft.model.recurrent import carries_state
 from litft.model.loss import fused_head
+from litft.model.offload import ActivationOffload
+from litft.model.weights import transformer_blocks
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -45,6 +47,14 @@ class CausalLM(torch.nn.Module):
         self.router_aux: list = []  # this step's router load-balancing losses (MoE), read and cleared by the loop
         self.whole_rows = carries_state(self.hf_model.config)  # one sample per padded row (litft.model.recurrent)
         self.state_boundaries = False  # packed rows, the state layers' kernels told where each sample starts (seq_idx)
+        self.block_count = 1
+        self.offloaded_bytes = 0  # what the last training forward kept in host memory (--train.activation_offload)
+        self._offload: Optional[ActivationOffload] = None
+        self.offload_kind = ActivationOffload  # the estimate's trace counts instead of copying (CountedOffload)
+        if train.activation_offload:
+            blocks = transformer_blocks(self.hf_model)
+            self.block_count = len(blocks)
+            blocks[-1].register_forward_hook(self._past_last_block)
 
     def keep_samples_apart_in_kernels(self, on: bool) -> None:
         """Pack a state-carrying model's rows, its kernels restarting at each sample (litft.model.recurrent.boundary_kernels)."""
@@ -80,10 +90,19 @@ class CausalLM(torch.nn.Module):
                 torch.arange(len(cu) - 1, device=cu.device, dtype=torch.int32), torch.diff(cu), output_size=input_ids.numel()).reshape(input_ids.shape)}
         if implementation != SEGMENTS:
             extra = {key: value for key, value in extra.items() if not key.startswith("litft_")}
-        with packed_rows_known() if extra else contextlib.nullcontext():
+        offload = self.train_args.activation_offload and self.training and torch.is_grad_enabled()
+        self._offload = offload = self.offload_kind(self.block_count) if offload else None
+        with packed_rows_known() if extra else contextlib.nullcontext(), offload.hooks() if offload else contextlib.nullcontext():
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+        if offload is not None:
+            self.offloaded_bytes, self._offload = offload.moved_bytes, None
         aux = getattr(out, "aux_loss", None)
         return out.logits if aux is None else (out.logits, aux)
+
+    @torch._dynamo.disable  # a compiled last block ends its graph here rather than guarding on each step's offload
+    def _past_last_block(self, module, args, output) -> None:
+        if self._offload is not None:
+            self._offload.stop()
 
     def head_forward(self, batch: dict, targets: dict, per_token: bool, temperature: float = 1.0) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool]:
         """The forward with the head on the target tokens only where it can (litft.model.loss): their summed loss, or their log-probs

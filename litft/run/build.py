@@ -23,6 +23,8 @@ from litft.model.fp8 import convert as convert_to_fp8
 from litft.model.kernels import use_liger_kernels
 from litft.model.lora import apply_lora, quantization_config, quiet_peft
 from litft.model.loss import fuse_target_loss
+from litft.model.recurrent import text_config
+from litft.model.tiled_mlp import tile_mlps
 from litft.objectives import Objective, next_token
 from litft.run.plan import RunPlan
 from litft.model.causal_lm import CausalLM
@@ -38,7 +40,7 @@ from litft.model.hub_layout import model_layout_weights
 def build_model(
     config, precision: str, lora: Optional[LoraArgs], gradient_checkpointing: bool, *, source: Optional[str] = None, device=None,
     attention: Optional[str] = None, structure: Callable = skeleton, liger: bool = False, dtype: Optional[torch.dtype] = None,
-    frozen_dtype: Optional[torch.dtype] = None, fp8: Optional[str] = None, fp8_all_gather: bool = False,
+    frozen_dtype: Optional[torch.dtype] = None, fp8: Optional[str] = None, fp8_all_gather: bool = False, tiled_mlp: bool = False,
 ):
     """The job's model: its structure (on the meta device, or as the strategy builds it), LoRA applied.
 
@@ -49,7 +51,8 @@ def build_model(
     is a LoRA base's dtype where it differs from the trained weights' ``dtype``
     (the strategy's ``frozen_base_dtype``: bf16 under bf16-mixed). ``fp8``: torchao's
     recipe for the Linear layers that convert (litft.model.fp8), after LoRA so that only
-    the frozen base's layers do; their names are kept as ``model.fp8_layers``.
+    the frozen base's layers do; their names are kept as ``model.fp8_layers``. ``tiled_mlp``: each dense MLP over the
+    sequence in chunks (litft.model.tiled_mlp), counted in ``model.tiled_mlps``.
     """
     quantize = lora.quantize if lora is not None else None
     quantization = quantization_config(quantize, compute_dtype(precision), config)
@@ -79,6 +82,8 @@ def build_model(
                 if param.requires_grad and param.dtype != dtype:
                     param.data = param.data.to(dtype)  # the adapters: fp32 masters under autocast whatever the base
     base = model.get_base_model() if lora is not None else model
+    if tiled_mlp:
+        model.tiled_mlps = tile_mlps(transformer_blocks(base), text_config(config).hidden_size)
     if fp8 is not None:
         model.fp8_layers = convert_to_fp8(base, fp8, fp8_all_gather)
     fuse_target_loss(base)
@@ -132,7 +137,7 @@ def build_module(
         config if config is not None else load_config(source), precision, lora, train.gradient_checkpointing, source=source if loads_4bit else None,
         device=device, attention=plan.attention, structure=skeleton if quantized else strategy.structure, liger=plan.liger,
         dtype=strategy.model_dtype, frozen_dtype=strategy.frozen_base_dtype(precision), fp8=fp8,
-        fp8_all_gather=fp8 == "tensorwise" and strategy.gathers_fp8,
+        fp8_all_gather=fp8 == "tensorwise" and strategy.gathers_fp8, tiled_mlp=train.tiled_mlp,
     )
     if without_dropout:
         switch_off_dropout(model)

@@ -67,6 +67,7 @@ def fit(trainer) -> LoopState:
         batch = next_batch(trainer)
         if batch is None:  # a stop was asked for on some rank: every rank ends after the same step
             break
+        trainer.phases.enter("first_step" if state.step == trainer.start_step else "steps")
         train_step(trainer, batch)
         validating, saving = cadence.validate_now(state.step), cadence.save_now(state.step)
         if validating or saving:
@@ -178,6 +179,7 @@ def not_finite(step: float) -> LitftError:
 def validate_and_log(trainer, scoring: bool) -> None:
     fabric, data, spec, state = trainer.fabric, trainer.data, trainer.spec, trainer.state
     trainer.watch.at(state.step, "validating")
+    trainer.phases.enter("validation")
     metrics = {}
     objective = trainer.objective
     measured = objective.validation(trainer)  # an objective that measures validation itself (RL: the held-out reward)
@@ -220,6 +222,7 @@ def save(trainer) -> None:
     """A checkpoint, and ``save_blocked_s`` in the metrics: the seconds training stood still for it (with --train.async_save,
     the wait for the write before, the copy to host memory and the rank's random state)."""
     trainer.watch.at(trainer.state.step, "saving a checkpoint")
+    trainer.phases.enter("save")
     started = time.perf_counter()
     complete_save(trainer)
     path = trainer.checkpointer.save(trainer.state.state_dict())

@@ -47,6 +47,86 @@ def peak_memory_by_rank(fabric) -> Dict[str, float]:
     return metrics
 
 
+PHASES = ("load", "first_step", "steps", "validation", "save", "export")
+
+
+class PhasePeaks:
+    """This process's peak memory in each phase of the run (loading, the first step, later steps, validation, saves, the
+    export), so that the phase which takes a rank over its share is named rather than guessed.
+
+    A phase starts by resetting the peak (CUDA's allocator statistics; on the CPU the kernel's resident high-water mark,
+    through /proc/self/clear_refs) and ends by reading it; a phase entered again keeps its largest peak. Where the host
+    peak cannot be reset, phases are not told apart and nothing is reported.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.current = device, "load"  # loading starts with the process: its peak is since the start
+        self.peaks: Dict[str, float] = {}
+        self.resettable = device.type == "cuda" or _host_peak_gb() is not None and _reset_host_peak()
+
+    def enter(self, phase: str) -> None:
+        """End the current phase (its peak kept) and start ``phase``, unless it is the current one already."""
+        if phase == self.current or not self.resettable:
+            return
+        self.close()
+        self.current = phase
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_host_peak()
+
+    def close(self) -> None:
+        if self.resettable:
+            peak = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else _host_peak_gb()
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), peak)
+
+    def by_rank(self, fabric) -> Dict[str, float]:
+        """Each phase's peak on the fullest rank (``peak_memory_gb/<phase>``) and that rank (``.../rank``); every rank calls it."""
+        self.close()
+        if not self.resettable:
+            return {}
+        rows = torch.zeros((fabric.world_size, len(PHASES)), dtype=torch.float64, device=fabric.device)
+        rows[fabric.global_rank] = torch.tensor([self.peaks.get(p, 0.0) for p in PHASES], dtype=torch.float64)
+        rows = (fabric.all_reduce(rows, reduce_op="sum") if fabric.world_size > 1 else rows).tolist()
+        metrics = {}
+        for column, phase in enumerate(PHASES):
+            fullest = max(range(len(rows)), key=lambda r: rows[r][column])
+            if rows[fullest][column] > 0:
+                metrics[f"peak_memory_gb/{phase}"], metrics[f"peak_memory_gb/{phase}/rank"] = rows[fullest][column], fullest
+        return metrics
+
+
+def describe_phases(metrics: Dict[str, float], world_size: int) -> Optional[str]:
+    """The phases' peaks in one line for the end of the run."""
+    parts = []
+    for phase in PHASES:
+        if f"peak_memory_gb/{phase}" in metrics:
+            rank = f" (rank {metrics[f'peak_memory_gb/{phase}/rank']})" if world_size > 1 else ""
+            parts.append(f"{phase.replace('_', ' ')} {metrics[f'peak_memory_gb/{phase}']:.2f}{rank}")
+    return f"peak memory by phase, GB{' on the fullest rank' if world_size > 1 else ''}: " + ", ".join(parts) if parts else None
+
+
+def _host_peak_gb() -> Optional[float]:
+    """The kernel's resident high-water mark of this process (VmHWM), or None where /proc does not give it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        return None
+    return None
+
+
+def _reset_host_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # 5: reset the peak resident set size to the current one (Linux 4.0 on)
+        return True
+    except OSError:
+        return False
+
+
 @dataclass
 class Cadence:
     """When the loop validates and saves, and when the run has trained enough."""
@@ -229,14 +309,17 @@ class StepMeter:
             self.fabric.log_dict(metrics, step=state.step)
             self.progress.update(state.step, metrics)
             self.window = Throughput()
-        if first and self.fabric.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.fabric.device)  # later peaks are training's, not setup's
         return metrics
 
     def _state_bytes(self, lm, optimizer) -> Dict[str, int]:
-        """What sharding saves: parameters, gradients and optimizer states on the fullest rank; they do not change."""
+        """What sharding saves: parameters, gradients and optimizer states on the fullest rank; they do not change. With
+        activation offload, the host bytes of a micro-batch's saved activations too."""
         held = self.strategy.state_bytes(lm, optimizer)
-        most = torch.tensor([held["params"], self.grad_bytes, held["optimizer"]], dtype=torch.float64, device=self.fabric.device)
+        names, values = ["params_bytes", "grads_bytes", "optimizer_bytes"], [held["params"], self.grad_bytes, held["optimizer"]]
+        if self.train.activation_offload:  # host memory a micro-batch's saved activations took (the last micro-batch's)
+            names.append("offloaded_bytes")
+            values.append(getattr(lm, "offloaded_bytes", 0))
+        most = torch.tensor(values, dtype=torch.float64, device=self.fabric.device)
         if self.fabric.world_size > 1:  # the rank that holds the most is the one that runs out of memory
             most = self.fabric.all_reduce(most, reduce_op="max")
-        return dict(zip(("params_bytes", "grads_bytes", "optimizer_bytes"), (int(v) for v in most.tolist())))
+        return dict(zip(names, (int(v) for v in most.tolist())))

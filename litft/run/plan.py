@@ -75,6 +75,9 @@ class Facts:
     overwrite: bool = False
     resumes_inside_out_dir: bool = False
     lm_eval_tasks: bool = False  # --eval.tasks given
+    activation_offload: bool = False
+    checkpointing: bool = False  # --train.gradient_checkpointing
+    tiled_mlp: bool = False
 
     @property
     def rl(self) -> bool:
@@ -176,6 +179,9 @@ REFUSALS: Tuple[Refusal, ...] = (
             {"score_samples": 10, "data_kind": "text", "data": "TextFiles"}),
     Refusal("streaming-steps", lambda f: f.streaming and f.max_steps is None, lambda f: (
         "--data.streaming true needs --train.max_steps: a stream's length is not known in advance"), {"streaming": True}),
+    Refusal("tiled-tensor", lambda f: f.tiled_mlp and f.tensor > 1, lambda f: (
+        "--train.tiled_mlp splits the sequence through each MLP, and --tensor_parallel splits the MLP itself: not together yet; "
+        "drop one"), {"tiled_mlp": True, "tensor": 2}),
     Refusal("overwrite-resume", lambda f: f.overwrite and f.resumes_inside_out_dir, lambda f: (
         "--overwrite true deletes the checkpoints that --resume continues from; pass only one of them"),
             {"overwrite": True, "resumes_inside_out_dir": True}),
@@ -257,6 +263,10 @@ class RunPlan:
     engine: Optional[str]  # what samples RL's rollouts; None for objectives that sample nothing
     carries_state: bool
     lora_dropout: Optional[float] = None  # None: no adapters
+    activation_offload: bool = False
+    checkpointing: bool = False
+    tiled_mlp: bool = False
+    experts: bool = False
 
     @classmethod
     def decide(cls, facts: Facts) -> "RunPlan":
@@ -273,7 +283,8 @@ class RunPlan:
         engine = rollout_engine(facts.rl, facts.engine, facts.accelerator, facts.installed, facts.quantize, facts.experts)
         return cls(facts.accelerator, facts.precision, param_dtype(facts.precision), compute_dtype(facts.precision), facts.strategy,
                    attention, rows, facts.boundary_kernels if rows == PACKED_WITH_BOUNDARIES else (), compiling, liger, facts.kernels,
-                   facts.fp8, engine, facts.carries_state, facts.lora_dropout if facts.lora else None)
+                   facts.fp8, engine, facts.carries_state, facts.lora_dropout if facts.lora else None, facts.activation_offload,
+                   facts.checkpointing, facts.tiled_mlp, facts.experts)
 
     @classmethod
     def plain(cls, precision: str) -> "RunPlan":
@@ -296,6 +307,11 @@ class RunPlan:
         out += [self.compile.line(), describe_kernels(self.kernels, self.liger)]
         if self.lora_dropout is not None:
             out.append(describe_lora_dropout(self.lora_dropout))
+        if self.activation_offload:
+            out.append(describe_offload(self.accelerator, self.checkpointing))
+        if self.tiled_mlp:
+            out.append("tiled MLP: each dense MLP over the sequence in chunks of hidden_size tokens, recomputed in the backward"
+                       + (" (the mixture-of-experts layers stay whole)" if self.experts else ""))
         if self.engine is not None:
             out.append(f"rollout engine: {self.engine}" + (" (auto: vLLM on a GPU where it is installed)" if self.engine == "transformers" else ""))
         return out
@@ -316,6 +332,13 @@ def describe_lora_dropout(p: float) -> str:
     if p == 0:
         return "LoRA dropout: off (peft's default; --lora_dropout 0.05 can help small data trained for many epochs, for about a fifth more time a step)"
     return f"LoRA dropout: {p:g} (each adapter's own mask; about a fifth more time a step than --lora_dropout 0)"
+
+
+def describe_offload(accelerator: str, checkpointing: bool) -> str:
+    what = "each block's input (the rest is recomputed)" if checkpointing else "every saved activation"
+    if accelerator != "cuda":
+        return f"activation offload: on, {what} copied within host memory (on the CPU it saves nothing; the GPU's path, tested)"
+    return f"activation offload: on, {what} to pinned host memory on a side stream, back ahead of the backward"
 
 
 def choose_attention(facts: Facts) -> str:
@@ -381,7 +404,8 @@ def facts_of(spec, accelerator: str, precision: str, strategy, config, data_worl
         experts=expert_count(text_config(config)) > 1, carries_state=carries_state(config), boundary_kernels=boundary_kernels(config, accelerator, attention_guess in PACKED_SAFE),
         split_refusal=split_refusal(config, layout, lora.quantize if lora else None), installed=installed_packages(),
         capability=capability, overwrite=spec.overwrite, resumes_inside_out_dir=spec.resumes_inside_out_dir,
-        lm_eval_tasks=bool(spec.eval.tasks),
+        lm_eval_tasks=bool(spec.eval.tasks), activation_offload=spec.train.activation_offload,
+        checkpointing=spec.train.gradient_checkpointing, tiled_mlp=spec.train.tiled_mlp,
     )
 
 

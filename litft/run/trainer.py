@@ -42,7 +42,7 @@ from litft.ranks import on_every_rank, on_rank_zero, rank_zero_first
 from litft.run.build import build_module
 from litft.run.logs import close_loggers, continue_logs, log_config, make_loggers, quiet_libraries
 from litft.run.loop import LoopState, fit
-from litft.run.metrics import Cadence, SampleLog, StepMeter, StopRequests
+from litft.run.metrics import Cadence, PhasePeaks, SampleLog, StepMeter, StopRequests, describe_phases
 from litft.run.outdir import OutDir
 from litft.run.plan import PACKED_WITH_BOUNDARIES, RunPlan, facts_of
 from litft.run.plot import plot_losses
@@ -77,6 +77,7 @@ class Trainer:
         self.out = OutDir(spec.out_dir, spec.overwrite, continues=spec.resumes_inside_out_dir)
         self.stops = StopRequests()
         self.watch = PeerWatch.idle()
+        self.phases = PhasePeaks(fabric.device)  # each phase's peak memory, reported at the end
 
     @classmethod
     def launch(cls, spec: RunSpec) -> "Trainer":
@@ -299,8 +300,13 @@ class Trainer:
             n = min(spec.eval.score_samples, len(self.data.scoring))
             fabric.print(f"task score (exact match on {n} held-out prompts): {scores[0]:.3f} before, {scores[-1]:.3f} after")
         self.watch.at(state.step, "exporting the final model")
+        self.phases.enter("export")
         exports = spec.final_exports()
         on_rank_zero(fabric, lambda: self._export(exports), "exporting the final model")
+        peaks = self.phases.by_rank(fabric)
+        if peaks:
+            fabric.log_dict(peaks, step=state.step)
+            fabric.print(describe_phases(peaks, fabric.world_size))
         where = "; ".join(f"{what} in {folder}" for what, folder in exports) or f"checkpoint {self.checkpointer.last_path} (--export none)"
         fabric.print(f"{spec.job} finished {state.step} steps in {time.perf_counter() - started:.0f} s; {where}")
         final_dir = exports[-1][1] if exports else None

@@ -55,6 +55,9 @@ QLORA = {
     "zero3": (["--strategy", "deepspeed", "--deepspeed.stage", "3"], (0.5, 0.5, 0.75)),
 }
 TWO = ["--devices", "2", "--train.micro_batch_size", "2"]
+# Exact memory savers ride along where they must not change what trains (tiled MLP: float rounding apart).
+SAVERS = ["--train.activation_offload", "true", "--train.tiled_mlp", "true"]
+WITH_SAVERS = {("finetune_full", "FULL_SHARD"), ("finetune_lora", "zero3")}
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +70,13 @@ def runs(tmp_path_factory, tiny_dir):
     for job in JOBS:  # one process, 2 micro-batches of 4
         batch.add(f"single-{job}", 1, command(job), *COMMON, *JOBS[job][0], "--train.micro_batch_size", "4")
     for job, layout in CASES:
-        batch.add(f"{job}-{layout}", 2, job, *COMMON, *JOBS[job][0], *LAYOUTS[layout][0], *TWO)
-    for layout in ("ddp", "FULL_SHARD"):
-        batch.add(f"qlora-{layout}", 2, "finetune_lora", *COMMON, *JOBS["qlora"][0], *QLORA[layout][0], *TWO)
+        savers = SAVERS if (job, layout) in WITH_SAVERS else []
+        batch.add(f"{job}-{layout}", 2, job, *COMMON, *JOBS[job][0], *LAYOUTS[layout][0], *TWO, *savers)
+    for layout in ("ddp", "FULL_SHARD"):  # the 4-bit weights stay on the device under offload: tensor subclasses never move
+        batch.add(f"qlora-{layout}", 2, "finetune_lora", *COMMON, *JOBS["qlora"][0], *QLORA[layout][0], *TWO,
+                  *(SAVERS if layout == "FULL_SHARD" else []))
     batch.add("bf16-checkpointed", 2, "finetune_full", *COMMON, *LAYOUTS["FULL_SHARD"][0], *TWO, "--precision", "bf16-mixed",
-              "--train.gradient_checkpointing", "true")
+              "--train.gradient_checkpointing", "true", "--train.activation_offload", "true")
     config = json.loads((tiny_dir / "config.json").read_text())
     config["tie_word_embeddings"] = False
     untied = batch.root / "untied" / "config.json"
@@ -129,6 +134,12 @@ def test_two_ranks_match_one_process(runs, reference, job, layout):
     fractions = LAYOUTS[layout][1]
     out = runs.out(f"{job}-{layout}")
     assert_same_training(reference(job), out, job, fractions)
+    if layout == "FULL_SHARD":  # each phase's peak on the fullest rank, logged at the end
+        last = read_metrics(out)[-1]
+        assert all(last[f"peak_memory_gb/{p}"] > 0 and last[f"peak_memory_gb/{p}/rank"] in (0, 1)
+                   for p in ("load", "first_step", "steps", "save", "export")), last
+    if (job, layout) in WITH_SAVERS:  # the savers were on: a micro-batch's saved activations went to host memory
+        assert next(r["offloaded_bytes"] for r in read_metrics(out) if "params_bytes" in r) > 0
     if layout == "NO_SHARD":
         assert [r["replica_checksum_spread"] for r in read_metrics(out) if "replica_checksum_spread" in r] == [0.0]
     if layout == "ddp":
@@ -168,6 +179,8 @@ def test_fsdp_bf16_with_activation_checkpointing_tracks_fp32(runs, reference):
     out = runs.out("bf16-checkpointed")
     fp32, bf16 = step_losses(reference("finetune_full")), step_losses(out)
     assert len(bf16) == 4
+    # Offloaded under checkpointing: each block's input (tests/unit/test_memory_savers.py counts them exactly).
+    assert next(r["offloaded_bytes"] for r in read_metrics(out) if "params_bytes" in r) > 0
     for a, b in zip(fp32, bf16):
         assert abs(a - b) <= 5e-3 * abs(a), (fp32, bf16)
     # Sharded weights stay fp32 (the policy casts only for compute), so the export is fp32 too.

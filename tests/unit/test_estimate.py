@@ -266,3 +266,40 @@ def test_impossible_runs_are_refused_in_one_line(capsys, tiny_dir, args, message
 def test_unreachable_hub_id_is_one_line(capsys):
     code, _, err = run_main(["estimate", "meta-llama/Llama-3.1-8B"], capsys)
     assert code == 2 and "could not load 'meta-llama/Llama-3.1-8B'" in err and len(err.splitlines()) == 1, err
+
+
+def test_offloaded_bytes_match_a_real_offloaded_step_and_leave_the_device(tiny_dir):
+    """The trace's host bytes under activation offload equal what a real step copies out (the same 64 KiB floor as on a GPU),
+    and with checkpointing the device keeps no block's input: a block adds nothing to what the forward leaves."""
+    import functools
+
+    from litft.estimate.trace import trace_activations
+    from litft.model.loading import load_config
+    from litft.model.offload import MIN_BYTES_CUDA, ActivationOffload
+    from litft.run.build import build_module
+
+    train = TrainArgs(activation_offload=True, gradient_checkpointing=True)
+    lm, fill, _ = build_module(str(tiny_dir), "32-true", None, train, 1, random_init=False, seed=0, device=torch.device("cpu"),
+                               strategy=SingleDevice(Layout(), "cpu", "32-true", train))
+    fill(lm)
+    lm.train()
+    lm.offload_kind = functools.partial(ActivationOffload, min_bytes=MIN_BYTES_CUDA)
+    tokens = torch.randint(5, 300, (2, 256), generator=torch.Generator().manual_seed(0))
+    lm.training_step({"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(256).expand(2, -1)}).backward()
+    config = load_config(str(tiny_dir))
+    build = dict(precision="32-true", lora=None, gradient_checkpointing=True)
+    traced = trace_activations(config, build, lambda p: torch.float32, None, 2, 256, offload=True)
+    assert lm.offloaded_bytes > 0 and traced.offloaded == lm.offloaded_bytes
+    plain = trace_activations(config, build, lambda p: torch.float32, None, 2, 256)
+    assert traced.per_layer == 0 < plain.per_layer and traced.peak < plain.peak
+
+
+def test_longest_sequence_fits_and_one_percent_more_does_not(capsys, tiny_dir):
+    flags = ["estimate", tiny_dir, "--job", "finetune_lora", "--precision", "bf16-true", "--device_memory_gb", "0.6", "--json", "true",
+             "--train.gradient_checkpointing", "true", "--train.activation_offload", "true"]
+    code, out, _ = run_main([*flags, "--longest", "true", "--seq_len", "1024"], capsys)
+    plan = json.loads(out)
+    longest = plan["longest_seq_len"]
+    assert code == 0 and plan["fits"] and plan["seq_len"] == longest and plan["per_rank"]["activations"]["cpu"] > 0
+    code, out, _ = run_main([*flags, "--seq_len", str(longest + max(64, longest // 100))], capsys)
+    assert not json.loads(out)["fits"]

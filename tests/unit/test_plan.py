@@ -60,3 +60,8 @@ def test_what_the_plan_decides_follows_the_machine_and_the_model():
     lora = dict(lora=True, job="finetune_lora")
     assert any(line.startswith("LoRA dropout: off (peft's default") for line in RunPlan.decide(Facts(**lora)).lines())
     assert any(line.startswith("LoRA dropout: 0.05 (") for line in RunPlan.decide(Facts(**lora, lora_dropout=0.05)).lines())
+    offload = RunPlan.decide(Facts(activation_offload=True, checkpointing=True, accelerator="cuda")).lines()
+    assert any(line.startswith("activation offload: on, each block's input") and "pinned" in line for line in offload)
+    assert any("saves nothing" in line for line in RunPlan.decide(Facts(activation_offload=True)).lines())
+    assert any("stay whole" in line for line in RunPlan.decide(Facts(tiled_mlp=True, experts=True)).lines())
+    assert not any(line.startswith(("activation offload", "tiled MLP")) for line in RunPlan.decide(Facts()).lines())
