@@ -297,7 +297,7 @@ def test_offloaded_bytes_match_a_real_offloaded_step_and_leave_the_device(tiny_d
 def test_longest_sequence_fits_and_one_percent_more_does_not(capsys, tiny_dir):
     flags = ["estimate", tiny_dir, "--job", "finetune_lora", "--precision", "bf16-true", "--device_memory_gb", "0.6", "--json", "true",
              "--train.gradient_checkpointing", "true", "--train.activation_offload", "true"]
-    code, out, _ = run_main([*flags, "--longest", "true", "--seq_len", "1024"], capsys)
+    code, out, _ = run_main([*flags, "--longest", "true", "--seq_len", "512"], capsys)
     plan = json.loads(out)
     longest = plan["longest_seq_len"]
     assert code == 0 and plan["fits"] and plan["seq_len"] == longest and plan["per_rank"]["activations"]["cpu"] > 0
