@@ -21,6 +21,7 @@ are random-weight shapes built on the device (it has no network).
 | 8b_qlora | the 8B run with the base in NF4 (bitsandbytes) | tok/s, speed and memory over Trainer + bitsandbytes |
 | dpo | DPO with LoRA on the 1B shape against TRL's DPOTrainer (benchmarks/vs_trl_dpo.py); litft also with activations checkpointed, as TRL does by default | speed and memory over TRL |
 | grpo | GRPO with LoRA on the 1B shape against TRL's GRPOTrainer (benchmarks/vs_trl_grpo.py): 16 prompts x 8 completions of up to 128 tokens a step | steps/s and memory over TRL, each side as it comes and with litft's activations checkpointed |
+| 8b_long | the 8B QLoRA run at one 65,536-token sequence a step: checkpointing alone, and with activation offload and the tiled MLP | tok/s and peak of each, offload over checkpointed |
 
 ``--dry`` checks the plan on the CPU in seconds: every command's flags parse with
 its script's own parser, and each group's reader turns a sample of its script's
@@ -80,6 +81,11 @@ def trainer_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
             figures[f"{run}_memory_vs_trainer"] = row["litft_memory_over_this"]
         elif row["side"].startswith("litft-"):
             figures[f"{run}_{row['side'].removeprefix('litft-')}_tok_s"] = row["tokens_per_s"]
+            if row.get("peak_gb") is not None:
+                figures[f"{run}_{row['side'].removeprefix('litft-')}_peak_gb"] = row["peak_gb"]
+    for run in {name[: -len("_offload_tok_s")] for name in figures if name.endswith("_offload_tok_s")}:
+        if figures.get(f"{run}_checkpointed_tok_s"):
+            figures[f"{run}_offload_over_checkpointed"] = figures[f"{run}_offload_tok_s"] / figures[f"{run}_checkpointed_tok_s"]
     for run in {name[: -len("_compiled_tok_s")] for name in figures if name.endswith("_compiled_tok_s")}:
         if figures.get(f"{run}_tok_s"):
             figures[f"{run}_compile_gain"] = figures[f"{run}_compiled_tok_s"] / figures[f"{run}_tok_s"]
@@ -179,6 +185,9 @@ GROUPS = {
                                      "--max_new_tokens", "128", "--micro_batch", "32", "--steps", "4"], 240, grpo_rows, needs=("trl",),
                   sample=tuple(json.dumps({"side": side, "tokens_per_s": speed, "s_per_step": 10000.0 / speed, "peak_gb": gb})
                                for side, speed, gb in (("litft", 3000.0, 12.0), ("trl", 1500.0, 10.0), ("litft-checkpointed", 2500.0, 8.0)))),
+    "8b_long": Group(VS, _vs("8b-qlora-long", "--seq_len", "65536", "--sides", "litft-checkpointed,litft-offload", steps=4), 240,
+                     trainer_rows, needs=("bitsandbytes",),
+                     sample=(_trainer_line("8b-qlora-long", "litft-checkpointed", 4000.0), _trainer_line("8b-qlora-long", "litft-offload", 3600.0))),
 }
 
 

@@ -15,7 +15,9 @@ process, one at a time, with the same number of torch threads:
 - ``litft-<change>``: litft with one of its speed changes undone or one more made, to
   show what each gives: ``padded`` (padded batches, SDPA), ``plain-loss`` (the head
   and the loss over every token), ``compiled`` (``--compile true``), ``eager``
-  (``--compile false``), ``fp8`` (``--fp8 tensorwise``), ``liger`` (``--kernels liger``).
+  (``--compile false``), ``fp8`` (``--fp8 tensorwise``), ``liger`` (``--kernels liger``), ``checkpointed``
+  (``--train.gradient_checkpointing true``), ``offload`` (checkpointing with ``--train.activation_offload`` and
+  ``--train.tiled_mlp``: what long sequences run with).
 
 Printed per side: real (unpadded) tokens/s over the steps after the first
 ``--skip`` (so loading and compilation are left out), and the process's peak
@@ -59,7 +61,8 @@ from benchkit import python_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "BENCH-RESULT "
-SIDES = ("litft", "trainer", "trainer-best", "litft-padded", "litft-plain-loss", "litft-compiled", "litft-eager", "litft-fp8", "litft-liger")
+SIDES = ("litft", "trainer", "trainer-best", "litft-padded", "litft-plain-loss", "litft-compiled", "litft-eager", "litft-fp8", "litft-liger",
+         "litft-checkpointed", "litft-offload")
 WORDS = "apple river stone cloud garden silver paper window forest candle bridge harbor meadow lantern orbit violet".split()
 
 
@@ -89,6 +92,8 @@ CUDA_RUNS = {
     # Micro-batch 1: at 2 rows of 4096 tokens Trainer's activations and weights pass an H100's 80 GB (it stopped in its first step).
     "8b-lora": Workload("lora", "bf16-true", data="tokens", micro_batch=1, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
     "8b-qlora": Workload("lora", "bf16-true", "bnb.nf4", data="tokens", micro_batch=1, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
+    # One long sequence a step (--seq_len 65536 in the GPU record): what activation offload and the tiled MLP cost.
+    "8b-qlora-long": Workload("lora", "bf16-true", "bnb.nf4", data="tokens", micro_batch=1, global_batch=1, lora_r=16, shape="llama-3.1-8b"),
     # Qwen3-30B-A3B's layers (128 experts, 8 per token), 12 of its 48 (7.9B parameters): MFU counts the active ones.
     "30b-a3b-lora": Workload("lora", "bf16-true", data="tokens", micro_batch=1, global_batch=4, lora_r=16, shape="qwen3-30b-a3b", layers=12),
 }
@@ -260,6 +265,10 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
         flags += ["--fp8", "tensorwise"]
     if change == "liger":
         flags += ["--kernels", "liger"]
+    if change in ("checkpointed", "offload"):
+        flags += ["--train.gradient_checkpointing", "true"]
+    if change == "offload":
+        flags += ["--train.activation_offload", "true", "--train.tiled_mlp", "true"]
     flags += shlex.split(args.litft_flags)
     # This checkout's litft, whichever one is installed: the process starts in ``work``.
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1", PYTHONPATH=python_path(ROOT))
