@@ -133,7 +133,9 @@ def plan_memory(flags: dict) -> dict:
     # heads / N heads, the same size.
     row_len = flags["seq_len"] + (objective.max_new_tokens if objective.rl else 0)  # RL trains on each prompt and its completion
     tokens_per_rank = -(-row_len // layout.context_parallel)
-    traced = trace_both(config, strategy, layout, precision, lora, train, tokens_per_rank, frozen_dtype, objective, flags.get("one_mode", False))
+    # Offloading saves nothing where the device is the host: the CPU's estimate traces the run without it.
+    traced = trace_both(config, strategy, layout, precision, lora, replace(train, activation_offload=train.activation_offload and not on_cpu),
+                        tokens_per_rank, frozen_dtype, objective, flags.get("one_mode", False))
     itemsize = element_size(compute_dtype(precision))
     experts = experts_facts(config, tensors, layout.expert_parallel, train.micro_batch_size * tokens_per_rank * built.rows_per_sample,
                             itemsize, flags["seq_len"])
@@ -182,7 +184,7 @@ def longest_sequence(flags: dict) -> dict:
 
     start = flags.get("seq_len") or 2048
     measure(start)
-    measure(16 * start)  # far enough from the short sequence's fixed costs for the line through both to point well
+    measure(min(16 * start, start + 65536))  # far enough from the short sequence's fixed costs for the line through both to point well
     while fails - fits > max(64, fits // 100) and len(points) < 12:
         (s0, f0), (s1, f1) = points[-2], points[-1]
         if -0.01 * usable[0] < f1 <= 0:  # the latest fits with under 1% to spare: is one step more already too long?

@@ -48,7 +48,7 @@ class CausalLM(torch.nn.Module):
         self.whole_rows = carries_state(self.hf_model.config)  # one sample per padded row (litft.model.recurrent)
         self.state_boundaries = False  # packed rows, the state layers' kernels told where each sample starts (seq_idx)
         self.block_count = 1
-        self.offloaded_bytes = 0  # what the last training forward kept in host memory (--train.activation_offload)
+        self.offloaded_bytes = 0  # the host memory the last training forward's saved tensors took (--train.activation_offload)
         self._offload: Optional[ActivationOffload] = None
         self.offload_kind = ActivationOffload  # the estimate's trace counts instead of copying (CountedOffload)
         if train.activation_offload:
@@ -95,7 +95,7 @@ class CausalLM(torch.nn.Module):
         with packed_rows_known() if extra else contextlib.nullcontext(), offload.hooks() if offload else contextlib.nullcontext():
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         if offload is not None:
-            self.offloaded_bytes, self._offload = offload.moved_bytes, None
+            self.offloaded_bytes, self._offload = offload.host_bytes, None
         aux = getattr(out, "aux_loss", None)
         return out.logits if aux is None else (out.logits, aux)
 

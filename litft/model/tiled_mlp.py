@@ -7,8 +7,9 @@ the backward recomputes one chunk's intermediate at a time. Chunks hold as many 
 ALST (Arctic Long Sequence Training) chose: a chunk's intermediate is then about the size of one MLP weight.
 
 A mixture of experts is left whole (its router's balancing loss and capacity read all tokens at once), and so is a
-block without a dense MLP. The result equals the untiled MLP's up to float rounding: the weights' gradients are summed
-chunk by chunk.
+block without a dense MLP. The result equals the untiled MLP's up to float rounding (the weights' gradients are summed
+chunk by chunk), except where a chunk draws or scales on its own: LoRA dropout's masks come from another stream of the
+same generator, and FP8's per-tensor scales are each chunk's. Under ZeRO-3 each chunk gathers the MLP's weights again.
 """
 
 import functools

@@ -7,6 +7,7 @@ policy is tested without processes.
 import json
 import resource
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,13 +27,13 @@ def peak_memory_gb(device: torch.device) -> List[float]:
     return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9]  # ru_maxrss is in KiB on Linux
 
 
-def peak_memory_by_rank(fabric) -> Dict[str, float]:
+def peak_memory_by_rank(fabric, phases: Optional["PhasePeaks"] = None) -> Dict[str, float]:
     """Every rank's peak memory (GB) since the last reset, and the fullest rank: the rank that runs out is rarely rank 0.
 
     On a GPU, ``peak_reserved_gb`` beside it is what the allocator held: fragmentation
     and caching included, it is what runs out first.
     """
-    local = peak_memory_gb(fabric.device)
+    local = phases.device_peaks() if phases is not None and fabric.device.type == "cuda" else peak_memory_gb(fabric.device)
     # Each rank fills its own row and a sum gathers them (Lightning's all_gather goes through a deprecated torch call).
     rows = torch.zeros((fabric.world_size, len(local)), dtype=torch.float64, device=fabric.device)
     rows[fabric.global_rank] = torch.tensor(local, dtype=torch.float64)
@@ -54,37 +55,57 @@ class PhasePeaks:
     """This process's peak memory in each phase of the run (loading, the first step, later steps, validation, saves, the
     export), so that the phase which takes a rank over its share is named rather than guessed.
 
-    A phase starts by resetting the peak (CUDA's allocator statistics; on the CPU the kernel's resident high-water mark,
-    through /proc/self/clear_refs) and ends by reading it; a phase entered again keeps its largest peak. Where the host
-    peak cannot be reset, phases are not told apart and nothing is reported.
+    On a GPU a phase starts by resetting the allocator's peak and ends by reading it; the log rows' ``peak_memory_gb``
+    keeps its meaning through ``mark`` (the peak since the first step, as it was when the meter reset the statistics
+    itself). On the CPU a thread samples the process's anonymous resident memory every 10 ms (the kernel's high-water
+    mark is left alone: launchers and benchmarks read it as the whole run's). A phase entered again keeps its largest
+    peak; where nothing can be measured, nothing is reported.
     """
 
     def __init__(self, device: torch.device):
         self.device, self.current = device, "load"  # loading starts with the process: its peak is since the start
         self.peaks: Dict[str, float] = {}
-        self.resettable = device.type == "cuda" or _host_peak_gb() is not None and _reset_host_peak()
+        self._sampler = None if device.type == "cuda" else _HostSampler.start()
+        self.measures = device.type == "cuda" or self._sampler is not None
+        self._marked: Optional[str] = None
+        self._since_mark = [0.0, 0.0]  # allocated and reserved peaks of the phases closed since the mark (CUDA)
 
     def enter(self, phase: str) -> None:
         """End the current phase (its peak kept) and start ``phase``, unless it is the current one already."""
-        if phase == self.current or not self.resettable:
+        if phase == self.current or not self.measures:
             return
         self.close()
         self.current = phase
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            _reset_host_peak()
+            self._sampler.reset()
+
+    def _now(self) -> List[float]:
+        if self.device.type == "cuda":
+            return [torch.cuda.max_memory_allocated(self.device) / 1e9, torch.cuda.max_memory_reserved(self.device) / 1e9]
+        return [self._sampler.peak]
 
     def close(self) -> None:
-        if self.resettable:
-            peak = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else _host_peak_gb()
-            self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), peak)
+        if not self.measures:
+            return
+        now = self._now()
+        self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), now[0])
+        if self.current != self._marked:
+            self._since_mark = [max(a, b) for a, b in zip(self._since_mark, now)]
+
+    def mark(self) -> None:
+        """From here on ``device_peaks`` leaves out the current phase and everything before it (the meter: after the first step)."""
+        self._marked, self._since_mark = self.current, [0.0, 0.0]
+
+    def device_peaks(self) -> List[float]:
+        """The GPU's allocated and reserved peaks since the mark (since the start before it)."""
+        now = self._now() if self.current != self._marked else [0.0, 0.0]
+        return [max(a, b) for a, b in zip(self._since_mark, now)]
 
     def by_rank(self, fabric) -> Dict[str, float]:
         """Each phase's peak on the fullest rank (``peak_memory_gb/<phase>``) and that rank (``.../rank``); every rank calls it."""
         self.close()
-        if not self.resettable:
-            return {}
         rows = torch.zeros((fabric.world_size, len(PHASES)), dtype=torch.float64, device=fabric.device)
         rows[fabric.global_rank] = torch.tensor([self.peaks.get(p, 0.0) for p in PHASES], dtype=torch.float64)
         rows = (fabric.all_reduce(rows, reduce_op="sum") if fabric.world_size > 1 else rows).tolist()
@@ -94,6 +115,29 @@ class PhasePeaks:
             if rows[fullest][column] > 0:
                 metrics[f"peak_memory_gb/{phase}"], metrics[f"peak_memory_gb/{phase}/rank"] = rows[fullest][column], fullest
         return metrics
+
+
+class _HostSampler:
+    """The largest anonymous resident memory (RssAnon) of this process since the last ``reset``, sampled by a daemon thread."""
+
+    def __init__(self, first: float):
+        self.peak = first
+        threading.Thread(target=self._run, name="litft-memory-sampler", daemon=True).start()
+
+    @classmethod
+    def start(cls) -> Optional["_HostSampler"]:
+        first = _rss_anon_gb()
+        return None if first is None else cls(first)
+
+    def reset(self) -> None:
+        self.peak = _rss_anon_gb() or 0.0
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.01)
+            now = _rss_anon_gb() or 0.0
+            if now > self.peak:
+                self.peak = now
 
 
 def describe_phases(metrics: Dict[str, float], world_size: int) -> Optional[str]:
@@ -106,25 +150,16 @@ def describe_phases(metrics: Dict[str, float], world_size: int) -> Optional[str]
     return f"peak memory by phase, GB{' on the fullest rank' if world_size > 1 else ''}: " + ", ".join(parts) if parts else None
 
 
-def _host_peak_gb() -> Optional[float]:
-    """The kernel's resident high-water mark of this process (VmHWM), or None where /proc does not give it."""
+def _rss_anon_gb() -> Optional[float]:
+    """This process's anonymous resident memory (RssAnon: its heap, not the files it maps), or None where /proc lacks it."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith("RssAnon:"):
                     return int(line.split()[1]) * 1024 / 1e9
     except OSError:
         return None
     return None
-
-
-def _reset_host_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")  # 5: reset the peak resident set size to the current one (Linux 4.0 on)
-        return True
-    except OSError:
-        return False
 
 
 @dataclass
@@ -264,8 +299,10 @@ class Progress:
 class StepMeter:
     """What every step logs (loss, lr, grad norm), what log steps add (rates, MFU, memory), and state bytes once."""
 
-    def __init__(self, fabric, strategy, train: TrainArgs, flops, total_steps: int, start_step: int, compiled=None, objective=None):
+    def __init__(self, fabric, strategy, train: TrainArgs, flops, total_steps: int, start_step: int, compiled=None, objective=None,
+                 phases: Optional[PhasePeaks] = None):
         self.fabric, self.strategy, self.train, self.flops, self.compiled = fabric, strategy, train, flops, compiled
+        self.phases = phases  # the run's phase peaks: on a GPU the rows' peak is read through them
         self.objective = objective  # its figures join the log (litft.objectives)
         self.total_steps, self.start_step = total_steps, start_step
         self.window = Throughput()
@@ -302,13 +339,17 @@ class StepMeter:
             if self.objective is not None:
                 metrics.update(self.objective.window_times(time.perf_counter() - self.window.started, self.window.batches_s, self.window.steps,
                                                            self.window.tokens))
-            metrics.update(peak_memory_by_rank(self.fabric))
+            metrics.update(peak_memory_by_rank(self.fabric, self.phases))
             if self.compiled is not None:  # torch.compile's time and frames so far; the time is kept out of the rates
                 metrics.update(compiling)
                 self.compile_s = compiling["compile_s"]
             self.fabric.log_dict(metrics, step=state.step)
             self.progress.update(state.step, metrics)
             self.window = Throughput()
+        if first and self.phases is not None:
+            self.phases.mark()  # later rows' peaks are training's, not setup's or the first step's
+        elif first and self.fabric.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.fabric.device)
         return metrics
 
     def _state_bytes(self, lm, optimizer) -> Dict[str, int]:

@@ -243,7 +243,8 @@ class Trainer:
         self.flops = StepFlops.for_run(self.lm.hf_model.config, spec.lora, self.precision, fabric.device, train.peak_tflops, say=fabric.print,
                                        reference_forwards=self.objective.reference_forwards)
         self.meter = StepMeter(fabric, self.strategy, train, self.flops, self.total_steps, self.start_step,
-                               compiled=CompileStats(self.lm.compiled_kinds) if self.plan.compile.enabled else None, objective=self.objective)
+                               compiled=CompileStats(self.lm.compiled_kinds) if self.plan.compile.enabled else None, objective=self.objective,
+                               phases=self.phases)
         samples = spec.out_dir / "logs" / "samples" / f"rank-{fabric.global_rank:05d}.jsonl"
         self.sample_log = SampleLog(samples if train.record_sample_ids else None)
         profiles = spec.out_dir / "logs" / "profile"

@@ -269,8 +269,8 @@ def test_unreachable_hub_id_is_one_line(capsys):
 
 
 def test_offloaded_bytes_match_a_real_offloaded_step_and_leave_the_device(tiny_dir):
-    """The trace's host bytes under activation offload equal what a real step copies out (the same 64 KiB floor as on a GPU),
-    and with checkpointing the device keeps no block's input: a block adds nothing to what the forward leaves."""
+    """The trace's host bytes under activation offload equal what a real step copies out (the same 64 KiB floor as on a GPU,
+    each block rounded up to a power of two as torch's pinned-memory cache does), and with checkpointing the device keeps no block's input: a block adds nothing to what the forward leaves."""
     import functools
 
     from litft.estimate.trace import trace_activations
@@ -283,7 +283,7 @@ def test_offloaded_bytes_match_a_real_offloaded_step_and_leave_the_device(tiny_d
                                strategy=SingleDevice(Layout(), "cpu", "32-true", train))
     fill(lm)
     lm.train()
-    lm.offload_kind = functools.partial(ActivationOffload, min_bytes=MIN_BYTES_CUDA)
+    lm.offload_kind = functools.partial(ActivationOffload, min_bytes=MIN_BYTES_CUDA, pinned_sizes=True)
     tokens = torch.randint(5, 300, (2, 256), generator=torch.Generator().manual_seed(0))
     lm.training_step({"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(256).expand(2, -1)}).backward()
     config = load_config(str(tiny_dir))

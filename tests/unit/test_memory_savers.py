@@ -65,7 +65,7 @@ def test_offload_waits_for_every_copy_and_fetches_ahead_once():
         def keep_until_copied(self, tensor):
             calls.append(("kept", tensor.shape))
 
-        def hand_over(self, tensor):
+        def hand_over(self, tensor, ready):
             calls.append(("handed", tensor.shape))
 
     torch.manual_seed(0)
@@ -83,6 +83,20 @@ def test_offload_waits_for_every_copy_and_fetches_ahead_once():
     assert [c[0] for c in calls[5:]] == ["handed"] * 9  # one hand-over per use
     assert offload.fetched_bytes == offload.moved_bytes and offload._ahead_bytes == 0
     assert all(s.on_device is None for s in offload.saved)  # nothing left on the device once the backward has used it
+
+
+def test_offload_leaves_weights_and_their_casts_on_the_device():
+    """Under autocast a trained Linear saves its weight's bf16 cast, transposed: a view of a cast of a parameter, which the
+    step keeps anyway (autocast caches it); only the activations move."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64, requires_grad=True)
+    offload = ActivationOffload(min_bytes=0)
+    with torch.autocast("cpu", torch.bfloat16), offload.hooks():
+        y = torch.nn.functional.gelu(layer(torch.tanh(x)))
+    assert offload.saved and all(tuple(s.shape) == (8, 64) for s in offload.saved)
+    y.float().sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
 
 
 def test_tiled_mlp_gives_the_untiled_step_and_keeps_less(tiny_dir):
