@@ -110,6 +110,8 @@ COMPILE_BLOCKERS = (
      {"objective": "grpo", "data_kind": "prompts"}),
     ("expert", lambda f: f.expert > 1, "--expert_parallel (the dispatch reads its split sizes on the host)", "drop --expert_parallel",
      {"expert": 2}),
+    ("tiled", lambda f: f.tiled_mlp, "--train.tiled_mlp (its number of chunks follows each batch's length: a recompile per length)",
+     "drop --train.tiled_mlp", {"tiled_mlp": True}),
 )
 
 
