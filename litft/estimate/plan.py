@@ -160,34 +160,47 @@ def plan_memory(flags: dict) -> dict:
 
 
 def longest_sequence(flags: dict) -> dict:
-    """The estimate at the longest ``--seq_len`` that fits the device with these flags, its ``longest_seq_len`` set.
-
-    Activations grow about linearly with the sequence (quadratically only under eager attention), so a secant step on the
-    estimate's total against the usable memory, from two short traces, lands near the answer; each guess is then traced
-    for real (the run's checkpointing only; a trace's time grows with its length, about 25 s at 256k tokens for an 8B),
-    the bracket (longest fitting, shortest not) narrows to 1% (or 64 tokens), and the answer is estimated in full.
-    """
+    """The estimate at the longest ``--seq_len`` that fits the device with these flags, its ``longest_seq_len`` set: the
+    search (``search_longest``) traces the run's checkpointing only (a trace's time grows with its length, about 25 s at
+    256k tokens for an 8B); the answer is then estimated in full."""
     if objective_of(flags).rl:
         raise LitftError("--longest searches a training sequence's length; under grpo give --seq_len and --objective.max_new_tokens")
-    fits, fails, points = 0, math.inf, []  # the longest that fits, the shortest that does not, (seq, total - usable) traced
-    usable = [0]
+
+    def over(seq: int) -> Tuple[float, float]:
+        plan = plan_memory({**flags, "seq_len": seq, "longest": False, "one_mode": True})
+        return plan["total"]["gpu"] - plan["device"]["usable"], plan["device"]["usable"]
+
+    start = flags.get("seq_len") or 2048
+    fits = search_longest(over, start)
+    if not fits:
+        raise LitftError(f"not even {start} tokens fit {flags['gpu']} with these flags; lower --seq_len, or see litft estimate without --longest")
+    return {**plan_memory({**flags, "seq_len": fits, "longest": False}), "longest_seq_len": fits}
+
+
+def search_longest(over, start: int, probes: int = 12) -> int:
+    """The longest length (a multiple of 64 above ``start``) whose ``over(length)`` (bytes past the usable memory, and that
+    memory) is not positive, within 1% or 64 tokens; 0 if ``start`` does not fit.
+
+    Memory grows about linearly with the sequence (quadratically only under eager attention): a secant step from two
+    points lands near the answer, a length that fits with under 1% to spare is checked one step (1%) further, and a
+    guess outside the bracket (longest fitting, shortest not) halves it instead.
+    """
+    fits, fails, points = 0, math.inf, []
 
     def measure(seq: int) -> None:
         nonlocal fits, fails
-        plan = plan_memory({**flags, "seq_len": seq, "longest": False, "one_mode": True})
-        usable[0] = plan["device"]["usable"]
-        points.append((seq, plan["total"]["gpu"] - usable[0]))
-        if plan["fits"]:
+        excess, usable = over(seq)
+        points.append((seq, excess, usable))
+        if excess <= 0:
             fits = max(fits, seq)
         else:
             fails = min(fails, seq)
 
-    start = flags.get("seq_len") or 2048
     measure(start)
     measure(min(16 * start, start + 65536))  # far enough from the short sequence's fixed costs for the line through both to point well
-    while fails - fits > max(64, fits // 100) and len(points) < 12:
-        (s0, f0), (s1, f1) = points[-2], points[-1]
-        if -0.01 * usable[0] < f1 <= 0:  # the latest fits with under 1% to spare: is one step more already too long?
+    while fails - fits > max(64, fits // 100) and len(points) < probes:
+        (s0, f0, _), (s1, f1, usable) = points[-2], points[-1]
+        if -0.01 * usable < f1 <= 0:  # the latest fits with under 1% to spare: is one step more already too long?
             guess = max(fits + 64, (fits + fits // 100) // 64 * 64)
         else:
             guess = s1 - f1 * (s1 - s0) / (f1 - f0) if f1 != f0 else 4 * s1
@@ -197,9 +210,7 @@ def longest_sequence(flags: dict) -> dict:
         if guess <= fits:  # the bracket is narrower than the rounding
             break
         measure(guess)
-    if not fits:
-        raise LitftError(f"not even {start} tokens fit {flags['gpu']} with these flags; lower --seq_len, or see litft estimate without --longest")
-    return {**plan_memory({**flags, "seq_len": fits, "longest": False}), "longest_seq_len": fits}
+    return fits
 
 
 def sampling_row(engine, flags, objective, built, config, tensors, states, strategy, layout, itemsize: int, capacity: float) -> Row:

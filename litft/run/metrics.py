@@ -57,7 +57,7 @@ class PhasePeaks:
 
     On a GPU a phase starts by resetting the allocator's peak and ends by reading it; the log rows' ``peak_memory_gb``
     keeps its meaning through ``mark`` (the peak since the first step, as it was when the meter reset the statistics
-    itself). On the CPU a thread samples the process's anonymous resident memory every 10 ms (the kernel's high-water
+    itself). On the CPU a thread samples the process's anonymous resident memory every 20 ms (the kernel's high-water
     mark is left alone: launchers and benchmarks read it as the whole run's). A phase entered again keeps its largest
     peak; where nothing can be measured, nothing is reported.
     """
@@ -104,7 +104,9 @@ class PhasePeaks:
         return [max(a, b) for a, b in zip(self._since_mark, now)]
 
     def by_rank(self, fabric) -> Dict[str, float]:
-        """Each phase's peak on the fullest rank (``peak_memory_gb/<phase>``) and that rank (``.../rank``); every rank calls it."""
+        """Each phase's peak on the fullest rank (``phase_peak_gb/<phase>``) and that rank (``phase_peak_rank/<phase>``; MLflow's
+        file store makes a folder of a name's prefix, so no name may extend another, as peak_memory_gb/load would); every rank
+        calls it."""
         self.close()
         rows = torch.zeros((fabric.world_size, len(PHASES)), dtype=torch.float64, device=fabric.device)
         rows[fabric.global_rank] = torch.tensor([self.peaks.get(p, 0.0) for p in PHASES], dtype=torch.float64)
@@ -113,7 +115,7 @@ class PhasePeaks:
         for column, phase in enumerate(PHASES):
             fullest = max(range(len(rows)), key=lambda r: rows[r][column])
             if rows[fullest][column] > 0:
-                metrics[f"peak_memory_gb/{phase}"], metrics[f"peak_memory_gb/{phase}/rank"] = rows[fullest][column], fullest
+                metrics[f"phase_peak_gb/{phase}"], metrics[f"phase_peak_rank/{phase}"] = rows[fullest][column], fullest
         return metrics
 
 
@@ -134,7 +136,7 @@ class _HostSampler:
 
     def _run(self) -> None:
         while True:
-            time.sleep(0.01)
+            time.sleep(0.02)
             now = _rss_anon_gb() or 0.0
             if now > self.peak:
                 self.peak = now
@@ -144,9 +146,9 @@ def describe_phases(metrics: Dict[str, float], world_size: int) -> Optional[str]
     """The phases' peaks in one line for the end of the run."""
     parts = []
     for phase in PHASES:
-        if f"peak_memory_gb/{phase}" in metrics:
-            rank = f" (rank {metrics[f'peak_memory_gb/{phase}/rank']})" if world_size > 1 else ""
-            parts.append(f"{phase.replace('_', ' ')} {metrics[f'peak_memory_gb/{phase}']:.2f}{rank}")
+        if f"phase_peak_gb/{phase}" in metrics:
+            rank = f" (rank {metrics[f'phase_peak_rank/{phase}']})" if world_size > 1 else ""
+            parts.append(f"{phase.replace('_', ' ')} {metrics[f'phase_peak_gb/{phase}']:.2f}{rank}")
     return f"peak memory by phase, GB{' on the fullest rank' if world_size > 1 else ''}: " + ", ".join(parts) if parts else None
 
 

@@ -136,7 +136,7 @@ def test_two_ranks_match_one_process(runs, reference, job, layout):
     assert_same_training(reference(job), out, job, fractions)
     if layout == "FULL_SHARD":  # each phase's peak on the fullest rank, logged at the end
         last = read_metrics(out)[-1]
-        assert all(last[f"peak_memory_gb/{p}"] > 0 and last[f"peak_memory_gb/{p}/rank"] in (0, 1)
+        assert all(last[f"phase_peak_gb/{p}"] > 0 and last[f"phase_peak_rank/{p}"] in (0, 1)
                    for p in ("load", "first_step", "steps", "save", "export")), last
     if (job, layout) in WITH_SAVERS:  # the savers were on: a micro-batch's saved activations went to host memory
         assert next(r["offloaded_bytes"] for r in read_metrics(out) if "params_bytes" in r) > 0

@@ -294,12 +294,23 @@ def test_offloaded_bytes_match_a_real_offloaded_step_and_leave_the_device(tiny_d
     assert traced.per_layer == 0 < plain.per_layer and traced.peak < plain.peak
 
 
-def test_longest_sequence_fits_and_one_percent_more_does_not(capsys, tiny_dir):
-    flags = ["estimate", tiny_dir, "--job", "finetune_lora", "--precision", "bf16-true", "--device_memory_gb", "0.6", "--json", "true",
-             "--train.gradient_checkpointing", "true", "--train.activation_offload", "true"]
-    code, out, _ = run_main([*flags, "--longest", "true", "--seq_len", "512"], capsys)
-    plan = json.loads(out)
-    longest = plan["longest_seq_len"]
-    assert code == 0 and plan["fits"] and plan["seq_len"] == longest and plan["per_rank"]["activations"]["cpu"] > 0
-    code, out, _ = run_main([*flags, "--seq_len", str(longest + max(64, longest // 100))], capsys)
-    assert not json.loads(out)["fits"]
+@pytest.mark.parametrize("power", [1, 2], ids=["linear", "quadratic"])
+def test_longest_search_finds_the_limit_within_one_percent(power):
+    """The search on a memory curve like the estimate's (fixed costs, then linear; quadratic as under eager attention):
+    the answer fits, 1% more does not, in a handful of traces."""
+    from litft.estimate.plan import search_longest
+
+    usable, calls = 80e9, []
+
+    def over(seq):
+        calls.append(seq)
+        return 20e9 + 3e4 * seq + (2e-2 * seq ** 2 if power == 2 else 0) - usable, usable
+
+    found = search_longest(over, 2048)
+    assert over(found)[0] <= 0 < over(found + max(64, found // 100))[0] and len(calls) <= 10, (found, calls)
+    assert search_longest(lambda seq: (1.0, usable), 2048) == 0  # nothing fits
+
+
+def test_cli_longest_is_refused_under_grpo(capsys, tiny_dir):
+    code, _, err = run_main(["estimate", tiny_dir, "--objective", "grpo", "--longest", "true"], capsys)
+    assert code != 0 and "--longest searches a training sequence" in err
