@@ -27,6 +27,14 @@ def peak_memory_gb(device: torch.device) -> List[float]:
     return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9]  # ru_maxrss is in KiB on Linux
 
 
+def every_rank(fabric, local: List[float]) -> List[List[float]]:
+    """Every rank's ``local`` values, a row per rank: each rank fills its own row and a sum gathers them (Lightning's
+    all_gather goes through a deprecated torch call)."""
+    rows = torch.zeros((fabric.world_size, len(local)), dtype=torch.float64, device=fabric.device)
+    rows[fabric.global_rank] = torch.tensor(local, dtype=torch.float64)
+    return (fabric.all_reduce(rows, reduce_op="sum") if fabric.world_size > 1 else rows).tolist()
+
+
 def peak_memory_by_rank(fabric, phases: Optional["PhasePeaks"] = None) -> Dict[str, float]:
     """Every rank's peak memory (GB) since the last reset, and the fullest rank: the rank that runs out is rarely rank 0.
 
@@ -34,10 +42,7 @@ def peak_memory_by_rank(fabric, phases: Optional["PhasePeaks"] = None) -> Dict[s
     and caching included, it is what runs out first.
     """
     local = phases.device_peaks() if phases is not None and fabric.device.type == "cuda" else peak_memory_gb(fabric.device)
-    # Each rank fills its own row and a sum gathers them (Lightning's all_gather goes through a deprecated torch call).
-    rows = torch.zeros((fabric.world_size, len(local)), dtype=torch.float64, device=fabric.device)
-    rows[fabric.global_rank] = torch.tensor(local, dtype=torch.float64)
-    rows = (fabric.all_reduce(rows, reduce_op="sum") if fabric.world_size > 1 else rows).tolist()
+    rows = every_rank(fabric, local)
     peaks = [row[0] for row in rows]
     fullest = max(range(len(peaks)), key=peaks.__getitem__)
     metrics = {"peak_memory_gb": peaks[fullest], "peak_memory_rank": fullest}
@@ -108,9 +113,7 @@ class PhasePeaks:
         file store makes a folder of a name's prefix, so no name may extend another, as peak_memory_gb/load would); every rank
         calls it."""
         self.close()
-        rows = torch.zeros((fabric.world_size, len(PHASES)), dtype=torch.float64, device=fabric.device)
-        rows[fabric.global_rank] = torch.tensor([self.peaks.get(p, 0.0) for p in PHASES], dtype=torch.float64)
-        rows = (fabric.all_reduce(rows, reduce_op="sum") if fabric.world_size > 1 else rows).tolist()
+        rows = every_rank(fabric, [self.peaks.get(p, 0.0) for p in PHASES])
         metrics = {}
         for column, phase in enumerate(PHASES):
             fullest = max(range(len(rows)), key=lambda r: rows[r][column])
