@@ -242,3 +242,29 @@ def test_adapters_add_into_the_base_output_inside_their_second_matmul(tiny_dir, 
                 monkeypatch.delattr(owner, "_cast_input_dtype")
         assert not hasattr(LoraLinear, "_cast_input_dtype")
         torch.testing.assert_close(ours(input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
+def test_dropout_on_a_tensor_parallel_adapter_takes_torchs_dropout(tmp_path):
+    """A row-split A matrix under tensor parallel gets DTensors (its weight, its sharded input): it takes torch's dropout,
+    which DTensor runs, where the mask select failed on mixing a plain mask with a DTensor."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from litft.model.lora import DroppedInputLinear
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        layer = DroppedInputLinear(64, 4, bias=False)
+        layer.dropout_p = 0.5
+        layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(1)]))
+        x = DTensor.from_local(torch.ones(8, 64), mesh, [Shard(1)])
+        torch.manual_seed(0)
+        out = layer.train()(x)
+        out.full_tensor().sum().backward()
+        assert isinstance(out, DTensor) and layer.weight.grad is not None
+        plain = layer.weight.full_tensor().detach()
+        assert not torch.allclose(out.full_tensor(), torch.ones(8, 64) @ plain.t())  # dropped: not the plain product
+    finally:
+        dist.destroy_process_group()

@@ -29,15 +29,23 @@ def step(tiny_dir, precision="32-true", lora=None, **train):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
     tokens = torch.randint(5, 300, (2, SEQ), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(SEQ).expand(2, -1)}
+    torch.manual_seed(2)  # the adapters' dropout masks
     with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
         loss = lm.loss_sum(batch)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}, lm
 
 
-LORA = LoraArgs(r=4, alpha=8, target_modules="all-linear")
+LORA = LoraArgs(r=4, alpha=8, dropout=0.1, target_modules="all-linear")  # dropout on: its masks are drawn again in a recompute
 CASES = {"full-32": ("32-true", None, False, False), "full-bf16-true-checkpointed": ("bf16-true", None, True, False),
          "lora-bf16-mixed-checkpointed": ("bf16-mixed", LORA, True, False), "lora-32-tiled": ("32-true", LORA, False, True)}
+
+
+def test_checkpointed_lora_dropout_draws_the_forwards_masks_again(tiny_dir):
+    """A checkpointed block's recompute draws the same masks, shared by the same adapters, as the forward it repeats."""
+    loss, grads, _ = step(tiny_dir, "32-true", LORA)
+    loss_again, grads_again, _ = step(tiny_dir, "32-true", LORA, gradient_checkpointing=True)
+    assert torch.equal(loss, loss_again) and all(torch.equal(grads[n], grads_again[n]) for n in grads)
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
