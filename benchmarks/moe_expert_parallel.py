@@ -77,7 +77,7 @@ def run(args, model: Path, work: Path, expert_parallel: int) -> dict:
     from vs_hf_trainer import steady_rates
 
     rows, rates = steady_rates(out, args.skip)
-    per_rank = [max(r.get(f"peak_memory_gb/rank_{rank}", 0.0) for r in rows) for rank in range(args.devices)]
+    per_rank = [max(r.get(f"rank_peak_gb/{rank}", 0.0) for r in rows) for rank in range(args.devices)]
     return {
         "expert_parallel": expert_parallel, **rates, "tokens_per_s_per_rank": rates["tokens_per_s"] / args.devices,
         "peak_gb_per_rank": [round(gb, 3) for gb in per_rank], "peak_gb_max": max(per_rank), "wall_s": time.perf_counter() - started,

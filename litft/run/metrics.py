@@ -49,7 +49,8 @@ def peak_memory_by_rank(fabric, phases: Optional["PhasePeaks"] = None) -> Dict[s
     if len(local) > 1:
         metrics["peak_reserved_gb"] = max(row[1] for row in rows)
     if len(peaks) > 1:
-        metrics.update({f"peak_memory_gb/rank_{r}": gb for r, gb in enumerate(peaks)})
+        # Not peak_memory_gb/<rank>: an MLflow file store keeps each metric as a file, and peak_memory_gb is one already.
+        metrics.update({f"rank_peak_gb/{r}": gb for r, gb in enumerate(peaks)})
     return metrics
 
 
