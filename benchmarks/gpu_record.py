@@ -22,6 +22,7 @@ are random-weight shapes built on the device (it has no network).
 | dpo | DPO with LoRA on the 1B shape against TRL's DPOTrainer (benchmarks/vs_trl_dpo.py); litft also with activations checkpointed, as TRL does by default | speed and memory over TRL |
 | grpo | GRPO with LoRA on the 1B shape against TRL's GRPOTrainer (benchmarks/vs_trl_grpo.py): 16 prompts x 8 completions of up to 128 tokens a step | steps/s and memory over TRL, each side as it comes and with litft's activations checkpointed |
 | 8b_long | the 8B QLoRA run at one 65,536-token sequence a step: checkpointing alone, and with activation offload and the tiled MLP | tok/s and peak of each, offload over checkpointed |
+| 8b_qlora_max_seq, 8b_lora_max_seq | the longest single sequence 8B QLoRA (LoRA in bf16) trains a step at, with checkpointing, offload and the tiled MLP (benchmarks/longest_sequence.py: from the estimate, each try a real step) | the longest length that fitted |
 
 ``--dry`` checks the plan on the CPU in seconds: every command's flags parse with
 its script's own parser, and each group's reader turns a sample of its script's
@@ -138,6 +139,22 @@ def grpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
     return over_trl(rows, "gpu_grpo", lambda ours, trl: trl["s_per_step"] / ours["s_per_step"])
 
 
+def longest_rows(figure: str) -> Callable[[List[dict], Dict[str, float]], Dict[str, float]]:
+    """longest_sequence.py's last line: the longest length that trained a step (its tries' lines come before it)."""
+    def read(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
+        found = [row["longest_fitting"] for row in rows if row.get("longest_fitting")]
+        if not found:  # cut short: the longest try that fitted, from the tries' own lines
+            found = [max((row["seq_len"] for row in rows if row.get("fits")), default=None)]
+        return {figure: float(found[-1])} if found[-1] else {}
+    return read
+
+
+def _longest_lines(run: str, fitting: int) -> tuple:
+    return (json.dumps({"run": run, "side": "offload", "device_gib": 139.8, "start": fitting}),
+            json.dumps({"seq_len": fitting, "fits": True, "s": 200.0, "peak_gb": 120.0}),
+            json.dumps({"run": run, "side": "offload", "longest_fitting": fitting, "shortest_failing": None, "tries": 1}))
+
+
 def _trainer_line(run: str, side: str, speed: float, over: Optional[float] = None) -> str:
     row = {"run": run, "side": side, "tokens_per_s": speed, "mfu": 0.4, "peak_gb": 20.0}
     if over is not None:
@@ -188,13 +205,19 @@ GROUPS = {
     "8b_long": Group(VS, _vs("8b-qlora-long", "--seq_len", "65536", "--sides", "litft-checkpointed,litft-offload", steps=4), 240,
                      trainer_rows, needs=("bitsandbytes",),
                      sample=(_trainer_line("8b-qlora-long", "litft-checkpointed", 4000.0), _trainer_line("8b-qlora-long", "litft-offload", 3600.0))),
+    # The longest sequence that trains a step (issue 53), each its own call: a try at 300k tokens takes minutes.
+    "8b_qlora_max_seq": Group("longest_sequence.py", ["--runs", "8b-qlora-long", "--side", "offload", "--seconds", "420"], 450,
+                              longest_rows("gpu_8b_qlora_max_seq"), needs=("bitsandbytes",), sample=_longest_lines("8b-qlora-long", 400384)),
+    "8b_lora_max_seq": Group("longest_sequence.py", ["--runs", "8b-lora-long", "--side", "offload", "--seconds", "420"], 450,
+                             longest_rows("gpu_8b_lora_max_seq"), sample=_longest_lines("8b-lora-long", 200704)),
 }
+LONG_RUNNING = ("longest_sequence.py",)  # scripts that build the random-weight shapes in the call's work folder, as VS does
 
 
 def command(group: Group, work: Path) -> List[str]:
     """The script's arguments: the models built once in ``work`` (no network on the device)."""
     args = list(group.args)
-    if group.script == VS:
+    if group.script == VS or group.script in LONG_RUNNING:
         args += ["--work_dir", str(work)]
     if group.script in AGAINST_TRL:
         args += ["--model", str(work / "llama-3.2-1b-random")]

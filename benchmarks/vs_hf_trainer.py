@@ -94,6 +94,7 @@ CUDA_RUNS = {
     "8b-qlora": Workload("lora", "bf16-true", "bnb.nf4", data="tokens", micro_batch=1, global_batch=8, lora_r=16, shape="llama-3.1-8b"),
     # One long sequence a step (--seq_len 65536 in the GPU record): what activation offload and the tiled MLP cost.
     "8b-qlora-long": Workload("lora", "bf16-true", "bnb.nf4", data="tokens", micro_batch=1, global_batch=1, lora_r=16, shape="llama-3.1-8b"),
+    "8b-lora-long": Workload("lora", "bf16-true", data="tokens", micro_batch=1, global_batch=1, lora_r=16, shape="llama-3.1-8b"),
     # Qwen3-30B-A3B's layers (128 experts, 8 per token), 12 of its 48 (7.9B parameters): MFU counts the active ones.
     "30b-a3b-lora": Workload("lora", "bf16-true", data="tokens", micro_batch=1, global_batch=4, lora_r=16, shape="qwen3-30b-a3b", layers=12),
 }

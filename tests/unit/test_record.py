@@ -54,3 +54,24 @@ def test_the_compile_ablation_runs_each_variant_eager_and_compiled_on_the_cpu():
     assert (eager["compiled"], eager["compiled_frames"]) == (False, 0) and eager["tokens_per_s"] > 0
     assert compiled["compiled"] and compiled["compiled_frames"] == 1 and compiled["compiled_over_eager"] > 0
     assert liger == {"variant": "litft", "skipped": "Liger's kernels run on CUDA only"}
+
+
+def test_the_longest_sequence_search_brackets_the_limit_within_2_percent_and_stops_in_time():
+    """longest_sequence.py's search against a stand-in device that fits 300,000 tokens, each try taking time quadratic in
+    its length: from a start below the limit it grows, then halves the gap to within 2%; a budget too short for the next
+    try stops it with the longest length that fitted so far."""
+    from longest_sequence import search
+
+    now = [0.0]
+
+    def try_length(length):
+        now[0] += 100 * (length / 200_000) ** 2
+        return {"fits": length <= 300_000, "s": 100 * (length / 200_000) ** 2}
+
+    found = search(try_length, 200_704, 1e9, clock=lambda: now[0])
+    assert found["longest_fitting"] <= 300_000 < found["shortest_failing"] <= 1.02 * found["longest_fitting"] + 1024
+    from_above = search(try_length, 400_384, 1e9, clock=lambda: now[0])
+    assert from_above["longest_fitting"] <= 300_000 < from_above["shortest_failing"]
+    now[0] = 0.0
+    short = search(try_length, 200_704, 400, clock=lambda: now[0])  # 100 s, then 132 s: the third (175 s) would pass 400
+    assert short == {"longest_fitting": 230_400, "shortest_failing": None, "tries": 2}
