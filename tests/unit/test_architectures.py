@@ -56,6 +56,32 @@ def test_loss_and_gradients_equal_transformers_eager(architecture, folders, refe
             assert error <= 1e-4, f"{where}: gradient of {name} off by {error:.2e}"
 
 
+# One of each path a block can take: varlen attention, a sliding window, softcapping (eager per sample), sinks, experts,
+# gated delta rules beside attention, Mamba beside attention and experts, and Mamba2 alone (padded rows).
+ONE_GRAPH = ("llama", "mistral (window)", "gemma2", "gpt-oss", "qwen3-moe", "qwen3-next", "jamba", "mamba2")
+
+
+def test_every_kind_of_block_traces_as_one_graph(folders, references):
+    """--compile's precondition: each block traces whole (``fullgraph=True``; dynamo alone, no code generated), so nothing
+    a block does per call (a host read, a data-dependent branch) splits it into pieces that run eagerly between graphs;
+    and the traced blocks give transformers' loss."""
+    from litft.model.weights import transformer_blocks
+
+    by_name = {a.name: a for a in TRAINED}
+    for name in ONE_GRAPH:
+        torch._dynamo.reset()
+        lm = as_litft_builds_it(folders[name])
+        for block in transformer_blocks(lm.hf_model):
+            block.compile(fullgraph=True, backend="eager")
+        padding_free = not carries_state(by_name[name].build())
+        batch = collate(pack(samples(), max_length=64), pad_id=0, padding_free=True) if padding_free else collate(samples(), pad_id=0)
+        loss = lm.loss_sum(batch)  # a graph break raises here, naming the line that broke it
+        loss.backward()
+        expected = references[name][0]
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item()), name
+    torch._dynamo.reset()
+
+
 def test_a_packed_row_would_carry_state_across_samples(folders, references):
     """Why state-carrying models get a sample per row: in a packed row Mamba's second sample starts from the first one's state."""
     lm = as_litft_builds_it(folders["mamba"])
