@@ -206,9 +206,9 @@ GROUPS = {
                      trainer_rows, needs=("bitsandbytes",),
                      sample=(_trainer_line("8b-qlora-long", "litft-checkpointed", 4000.0), _trainer_line("8b-qlora-long", "litft-offload", 3600.0))),
     # The longest sequence that trains a step (issue 53), each its own call: a try at 300k tokens takes minutes.
-    "8b_qlora_max_seq": Group("longest_sequence.py", ["--runs", "8b-qlora-long", "--side", "offload", "--seconds", "420"], 450,
+    "8b_qlora_max_seq": Group("longest_sequence.py", ["--runs", "8b-qlora-long", "--side", "offload", "--seconds", "440"], 450,
                               longest_rows("gpu_8b_qlora_max_seq"), needs=("bitsandbytes",), sample=_longest_lines("8b-qlora-long", 400384)),
-    "8b_lora_max_seq": Group("longest_sequence.py", ["--runs", "8b-lora-long", "--side", "offload", "--seconds", "420"], 450,
+    "8b_lora_max_seq": Group("longest_sequence.py", ["--runs", "8b-lora-long", "--side", "offload", "--seconds", "440"], 450,
                              longest_rows("gpu_8b_lora_max_seq"), sample=_longest_lines("8b-lora-long", 200704)),
 }
 LONG_RUNNING = ("longest_sequence.py",)  # scripts that build the random-weight shapes in the call's work folder, as VS does

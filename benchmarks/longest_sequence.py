@@ -40,31 +40,43 @@ def parse_args(argv=None):
 
 
 def next_length(fitting: Optional[int], failing: Optional[int], start: int) -> Optional[int]:
-    """The next length to try from the longest that fitted and the shortest that failed; None once they are within 2%."""
+    """The next length to try from the longest that fitted and the shortest that failed; None once they are within 2%
+    (or the grain), or when nothing new is left between them."""
     if fitting is None and failing is None:
-        return start
+        return round_to_grain(start)
     if failing is None:
-        return round_to_grain(fitting * 1.15)
-    if fitting is None:
-        return round_to_grain(failing * 0.85)
-    if failing - fitting <= max(GRAIN, 0.02 * fitting):
+        length = round_to_grain(fitting * 1.15)
+    elif fitting is None:
+        length = round_to_grain(failing * 0.85)
+        if length >= failing:  # failing at the grain itself: nothing shorter to try
+            return None
+    elif failing - fitting <= max(GRAIN, 0.02 * fitting):
         return None
-    return round_to_grain((fitting + failing) / 2)
+    else:
+        length = round_to_grain((fitting + failing) / 2)
+    return None if length == fitting or length == failing else length
+
+
+def out_of_memory(failure: Exception) -> bool:
+    """A try that ran out of memory: the device's (torch's error) or the host's (the kernel's kill, -9)."""
+    text = str(failure)
+    return "out of memory" in text.lower() or "OutOfMemoryError" in text or " exited -9" in text
 
 
 def round_to_grain(length: float) -> int:
     return max(GRAIN, int(length) // GRAIN * GRAIN)
 
 
-def search(try_length: Callable[[int], dict], start: int, seconds: float, clock=time.monotonic) -> dict:
-    """Try lengths while time allows; ``try_length(n)`` -> {"fits": bool, "s": seconds, ...}. The longest fitting and the
-    shortest failing length, and every try in order."""
-    began, fitting, failing, tries = clock(), None, None, []
+def search(try_length: Callable[[int], dict], start: int, seconds: float, clock=time.monotonic, began: Optional[float] = None) -> dict:
+    """Try lengths while time allows (``seconds`` from ``began``, the process's start: the model's build and the estimate
+    count); ``try_length(n)`` -> {"fits": bool, "s": seconds, ...}. The longest fitting and the shortest failing length."""
+    began = clock() if began is None else began
+    fitting, failing, tries = None, None, []
     length = next_length(fitting, failing, start)
     while length is not None:
-        if tries:  # predicted from the last try, quadratic in length (attention); a failed try's time says less
-            last = tries[-1]
-            predicted = last["s"] * (length / last["seq_len"]) ** 2
+        timed = [t for t in tries if t["fits"]] or tries  # a failed try may have ended early (out of memory in its first block)
+        if timed:  # quadratic in length (attention)
+            predicted = timed[-1]["s"] * (length / timed[-1]["seq_len"]) ** 2
             if clock() - began + predicted > seconds:
                 break
         result = {"seq_len": length, **try_length(length)}
@@ -117,6 +129,7 @@ def main(argv=None) -> None:
     from gpu_throughput import random_text, random_weights
     from vs_hf_trainer import CUDA_RUNS, SideFailed, litft_side
 
+    started = time.monotonic()
     if not torch.cuda.is_available():
         raise SystemExit("longest_sequence.py needs a CUDA device")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="litft-longest-"))
@@ -133,11 +146,13 @@ def main(argv=None) -> None:
         try:
             row = litft_side(side_args, load, model, work, SIDES[args.side])
         except SideFailed as failure:
+            if not out_of_memory(failure):  # any other failure is a bug to see, not a length limit to record
+                raise
             return {"fits": False, "s": time.monotonic() - began, "error": failure.line}
         return {"fits": True, "s": time.monotonic() - began, "peak_gb": row["peak_gb"], "tokens_per_s": row["tokens_per_s"]}
 
     print(json.dumps({"run": args.runs, "side": args.side, "device_gib": round(device_gb, 1), "start": start}), flush=True)
-    result = search(try_length, start, args.seconds)
+    result = search(try_length, start, args.seconds, began=started)
     print(json.dumps({"run": args.runs, "side": args.side, **result}), flush=True)
 
 

@@ -12,6 +12,7 @@ import warnings
 from typing import Optional, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import BitsAndBytesConfig
 
 from litft.config import QUANTIZE_CHOICES, LoraArgs
@@ -197,7 +198,7 @@ class DroppedInputLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and self.dropout_p > 0 and torch.is_grad_enabled()):
             return super().forward(x)
-        if self.bias is None and type(x) is torch.Tensor and type(self.weight.data) is torch.Tensor:
+        if self.bias is None and not (isinstance(x, DTensor) or isinstance(self.weight, DTensor)):  # plain, ZeRO-3's, fake
             return _DroppedInputMatmul.apply(x, self.weight, self.dropout_p)
         # Tensor parallel's DTensors (a row-split A takes a sharded input): torch's own dropout, which DTensor draws itself.
         return super().forward(torch.nn.functional.dropout(x, self.dropout_p, training=True))

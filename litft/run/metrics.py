@@ -279,7 +279,7 @@ class Progress:
             text += f" | MFU {metrics['mfu']:.1%}"
         elif "tflops_per_s_per_device" in metrics:
             text += f" | {metrics['tflops_per_s_per_device']:.2f} TFLOP/s/device"
-        rank = f" (rank {metrics['peak_memory_rank']})" if any(k.startswith("peak_memory_gb/") for k in metrics) else ""
+        rank = f" (rank {metrics['peak_memory_rank']})" if any(k.startswith("rank_peak_gb/") for k in metrics) else ""
         text += f" | peak mem {metrics['peak_memory_gb']:.2f} GB{rank}"
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)

@@ -46,6 +46,7 @@ def test_checkpointed_lora_dropout_draws_the_forwards_masks_again(tiny_dir):
     loss, grads, _ = step(tiny_dir, "32-true", LORA)
     loss_again, grads_again, _ = step(tiny_dir, "32-true", LORA, gradient_checkpointing=True)
     assert torch.equal(loss, loss_again) and all(torch.equal(grads[n], grads_again[n]) for n in grads)
+    assert not torch.equal(loss, step(tiny_dir, "32-true", LoraArgs(r=4, alpha=8, target_modules="all-linear"))[0])  # dropout was on
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
