@@ -142,10 +142,10 @@ def grpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
 def longest_rows(figure: str) -> Callable[[List[dict], Dict[str, float]], Dict[str, float]]:
     """longest_sequence.py's last line: the longest length that trained a step (its tries' lines come before it)."""
     def read(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
-        found = [row["longest_fitting"] for row in rows if row.get("longest_fitting")]
-        if not found:  # cut short: the longest try that fitted, from the tries' own lines
-            found = [max((row["seq_len"] for row in rows if row.get("fits")), default=None)]
-        return {figure: float(found[-1])} if found[-1] else {}
+        ended = [row["longest_fitting"] for row in rows if "longest_fitting" in row]
+        # Cut short, it printed no result: the longest try that fitted, from the tries' own lines.
+        longest = ended[-1] if ended else max((row["seq_len"] for row in rows if row.get("fits")), default=None)
+        return {figure: float(longest)} if longest else {}
     return read
 
 
@@ -211,13 +211,13 @@ GROUPS = {
     "8b_lora_max_seq": Group("longest_sequence.py", ["--runs", "8b-lora-long", "--side", "offload", "--seconds", "440"], 450,
                              longest_rows("gpu_8b_lora_max_seq"), sample=_longest_lines("8b-lora-long", 200704)),
 }
-LONG_RUNNING = ("longest_sequence.py",)  # scripts that build the random-weight shapes in the call's work folder, as VS does
+TAKE_WORK_DIR = (VS, "longest_sequence.py")  # scripts that build the random-weight shapes in the call's work folder
 
 
 def command(group: Group, work: Path) -> List[str]:
     """The script's arguments: the models built once in ``work`` (no network on the device)."""
     args = list(group.args)
-    if group.script == VS or group.script in LONG_RUNNING:
+    if group.script in TAKE_WORK_DIR:
         args += ["--work_dir", str(work)]
     if group.script in AGAINST_TRL:
         args += ["--model", str(work / "llama-3.2-1b-random")]

@@ -95,15 +95,6 @@ def host_gib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("MemTotal")) / 2**20
 
 
-def host_bytes(estimate: dict) -> int:
-    """What the estimate puts in host memory (the offloaded activations, pinned): its CPU column's sum."""
-    total = 0
-    for part in estimate["per_rank"].values():
-        entries = part.values() if "cpu" not in part else [part]
-        total += sum(entry.get("cpu", 0) for entry in entries if isinstance(entry, dict))
-    return total
-
-
 def estimated_longest(model: Path, load, side: str, device_gb: float) -> int:
     """``litft estimate --longest true`` for the run's flags on a device of ``device_gb``, shortened in proportion where the
     host memory it needs (offloaded activations) passes 80% of this machine's: the device alone does not bound offload."""
@@ -117,7 +108,7 @@ def estimated_longest(model: Path, load, side: str, device_gb: float) -> int:
     if side == "offload":
         flags += ["--train.activation_offload", "true", "--train.tiled_mlp", "true"]
     estimate = json.loads(subprocess.run(flags, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
-    host = host_bytes(estimate) / 2**30
+    host = estimate["total"]["cpu"] / 2**30  # the offloaded activations, pinned
     return int(estimate["seq_len"] * min(1.0, 0.8 * host_gib() / host) if host else estimate["seq_len"])
 
 
