@@ -56,6 +56,8 @@ class TrainArgs:
     """Keep what the forward saves for the backward in host memory, copied out and back on a side stream while the GPU computes (with gradient_checkpointing: only each block's input). Exact; costs host memory and PCIe time the compute usually hides."""
     tiled_mlp: bool = False
     """Run each dense MLP over the sequence in chunks of hidden_size tokens, each recomputed in the backward, so a long sequence never holds its whole MLP intermediate (ALST's tiled MLP). Exact up to float rounding; a third more MLP compute."""
+    vision_encoder: str = "frozen"
+    """A vision-language model's image encoder: frozen (the projector and language model learn; LoRA adapts the language model) or trained (full fine-tuning trains it, LoRA adapts its linear layers too)."""
     stop_after_steps: Optional[int] = None
     """End this launch after this many steps with a checkpoint, as a stop signal does (for queues whose time limit is shorter than the run: each job continues with --resume auto)."""
     log_interval: int = 1
@@ -108,6 +110,8 @@ class TrainArgs:
         fraction(self.beta2, "--train.beta2", "AdamW's decay rate of the squared gradients,")
         positive(self.max_norm, "--train.max_norm", "the largest gradient norm", nullable="for no clipping")
         positive(self.peak_tflops, "--train.peak_tflops", "one device's dense peak at the run's precision")
+        if self.vision_encoder not in ("frozen", "trained"):
+            raise LitftError(f"--train.vision_encoder {self.vision_encoder} is unknown; choose frozen or trained")
 
 
 @dataclass

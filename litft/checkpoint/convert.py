@@ -27,7 +27,8 @@ from litft.config import LoraArgs
 from litft.model.lora import expert_lora_config
 from litft.model.loading import load_config, load_tokenizer, resolve_model
 from litft.model.hub_layout import model_layout_weights
-from litft.model.weights import locate_checkpoint, skeleton, transformer_blocks
+from litft.model.vision import auto_model_class, load_processor, sees_images
+from litft.model.weights import PEFT_PREFIX, locate_checkpoint, skeleton, transformer_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -160,8 +161,8 @@ def _write_model(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict
     source = resolve_model(meta.model)
     config = load_config(source)
     out_dtype = DTYPES[dtype] if dtype else next(iter(trained.shapes.values()))[1]
-    # Frozen base weights come from the model the run started from (LoRA; a full run trains them all).
-    base = model_layout_weights(locate_checkpoint(source), config) if lora else None
+    # Frozen weights come from the model the run started from (LoRA's base; a vision-language model's frozen image encoder).
+    base = model_layout_weights(locate_checkpoint(source), config) if lora or sees_images(config) else None
     scale = run_config["lora_alpha"] / run_config["lora_r"] if lora else 0.0
     prefix = "base_model.model." if lora else ""
     model = skeleton(config, out_dtype)
@@ -185,14 +186,12 @@ def _write_model(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict
     generation = locate_checkpoint(source) / "generation_config.json"
     if generation.is_file():
         shutil.copy(generation, staging / generation.name)
-    load_tokenizer(resolve_model(run_config.get("tokenizer") or meta.model)).save_pretrained(staging)
+    save_processing(run_config, meta, staging)
 
 
 def model_from_checkpoint(path: Path, dtype: Optional[torch.dtype] = None):
     """A training checkpoint as a transformers model in memory, filled a block at a time as the export reads it (LoRA merged
     into the base), with nothing written to disk; and its tokenizer."""
-    from transformers import AutoModelForCausalLM
-
     try:  # transformers 5 keeps it here; 4.x in modeling_utils
         from transformers.initialization import no_init_weights
     except ImportError:
@@ -209,8 +208,8 @@ def model_from_checkpoint(path: Path, dtype: Optional[torch.dtype] = None):
         del config.quantization_config
     out_dtype = dtype if isinstance(dtype, torch.dtype) else next(iter(trained.shapes.values()))[1]  # "auto": as trained
     with no_init_weights():  # every weight is filled from the checkpoint; buffers (rotary frequencies) are made as usual
-        model = AutoModelForCausalLM.from_config(config, dtype=out_dtype)
-    base = model_layout_weights(locate_checkpoint(source), config) if lora else None
+        model = auto_model_class(config).from_config(config, dtype=out_dtype)
+    base = model_layout_weights(locate_checkpoint(source), config) if lora or sees_images(config) else None
     scale = run_config["lora_alpha"] / run_config["lora_r"] if lora else 0.0
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -220,6 +219,16 @@ def model_from_checkpoint(path: Path, dtype: Optional[torch.dtype] = None):
                 params[name].copy_(block[name])
     model.tie_weights()
     return model.eval(), load_tokenizer(resolve_model(run_config.get("tokenizer") or meta.model))
+
+
+def save_processing(run_config: dict, meta: CheckpointMeta, staging: Path) -> None:
+    """The tokenizer beside an export; a vision-language model's whole processor (image processor and chat template too), so
+    that ``AutoProcessor`` loads the folder."""
+    source = resolve_model(run_config.get("tokenizer") or meta.model)
+    if sees_images(load_config(resolve_model(meta.model))):
+        load_processor(source).save_pretrained(staging)
+    else:
+        load_tokenizer(source).save_pretrained(staging)
 
 
 class SafetensorsWriter:
@@ -320,7 +329,10 @@ def _write_adapter(trained: TrainedTensors, meta: CheckpointMeta, run_config: di
     tensors = trained.read([n for n in trained.shapes if ADAPTER_KEY.search(n)])
     out_dtype = DTYPES[dtype] if dtype else None
     saved = {ADAPTER_KEY.sub(r".\1.weight", k): (v.to(out_dtype) if out_dtype else v).contiguous() for k, v in tensors.items()}
-    targets = sorted({k.removesuffix(".lora_A.default.weight").rsplit(".", 1)[-1] for k in tensors if ".lora_A." in k})
+    adapted = {k.removesuffix(".lora_A.default.weight").removeprefix(PEFT_PREFIX) for k in tensors if ".lora_A." in k}
+    # By short name (q_proj...), except in a vision-language model, whose encoder has layers of the same short names: by full name.
+    vision = sees_images(load_config(resolve_model(meta.model)))
+    targets = sorted(adapted if vision else {name.rsplit(".", 1)[-1] for name in adapted})
     experts = None
     if any(".base_layer.lora_A." in k for k in tensors) or "experts" in targets:  # adapters on MoE experts' tensors (ParamWrapper)
         resolved = expert_lora_config(load_config(resolve_model(meta.model)), LoraArgs(
@@ -332,4 +344,4 @@ def _write_adapter(trained: TrainedTensors, meta: CheckpointMeta, run_config: di
         target_modules=sorted(targets), target_parameters=experts, task_type="CAUSAL_LM", bias="none", base_model_name_or_path=meta.model,
     ).save_pretrained(str(staging))
     save_file(saved, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
-    load_tokenizer(resolve_model(run_config.get("tokenizer") or meta.model)).save_pretrained(staging)
+    save_processing(run_config, meta, staging)

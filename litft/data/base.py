@@ -132,6 +132,14 @@ def mean_length(samples) -> float:
     return float(sum(lengths)) / max(len(samples), 1)
 
 
+def samples_see_images(data: PreparedData) -> bool:
+    """Whether the prepared samples carry images (litft.data.images): the first of each split tells, as a dataset is one or the other."""
+    for samples in (data.train, data.val):
+        if isinstance(samples, list) and samples and "images" in samples[0]:
+            return True
+    return False
+
+
 def _plain(value):
     if isinstance(value, DataModule):
         return data_config(value)
@@ -144,6 +152,9 @@ def _plain(value):
     return value
 
 
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.jinja", "chat_template.json")
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash that changes when the tokenizer would split or template text differently."""
     digest = hashlib.sha256()
@@ -151,6 +162,10 @@ def tokenizer_fingerprint(tokenizer) -> str:
     digest.update(backend.to_str().encode() if backend is not None else str(sorted(tokenizer.get_vocab().items())).encode())
     digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
     digest.update(str((tokenizer.bos_token_id, tokenizer.eos_token, getattr(tokenizer, "add_bos_token", None))).encode())
+    folder = Path(str(getattr(tokenizer, "name_or_path", "") or "-"))
+    for name in PROCESSOR_FILES:  # a vision-language model's image processor decides how many tokens an image becomes
+        if folder.is_dir() and (folder / name).is_file():
+            digest.update((folder / name).read_bytes())
     return digest.hexdigest()[:16]
 
 

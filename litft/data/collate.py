@@ -18,7 +18,8 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
     that carry loss with the tokens they predict (for the loss on targets only).
     """
     lengths = torch.cat([attended_lengths(s) for s in samples])
-    if padding_free:
+    images = "images" in samples[0]  # samples that see images (litft.data.images): a padded row each, as transformers batches them
+    if padding_free and not images:
         labels = [s["labels"].clone() for s in samples]
         for later in labels[1:]:
             later[0] = IGNORE_INDEX
@@ -45,7 +46,9 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
         "varlen": cumulative_lengths(position_ids),
         "targets": targets_of(labels),
     }
-    if not padding_free:
+    if images:  # the processor makes the image tensors from these at the step (litft.model.vision.ImageInputs)
+        batch["texts"], batch["images"] = [s["text"] for s in samples], [s["images"] for s in samples]
+    if not padding_free or images:
         batch["real"] = real  # the tokens that are not padding, for counts that must not see it (litft.model.experts)
     if "rejected_start" in samples[0]:  # preference pairs (litft.data.preference): two sequences each, chosen then rejected
         batch["pairs"] = len(samples)  # what the loss is a mean over; under context parallel, counted by one rank of the group

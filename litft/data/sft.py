@@ -9,6 +9,7 @@ import torch
 
 from litft.data.base import json_problem, DataModule, PreparedData, Prompted, split_train_val
 
+from litft.data.images import ImageRecords, carries_images, image_files, with_absolute_images
 from litft.data.samples import IGNORE_INDEX, Sample
 from litft.errors import LitftError
 
@@ -60,6 +61,8 @@ class InstructionData(DataModule):
     def tokenize(self, tokenizer, seed: int) -> PreparedData:
         train_records, val_records, origin = self.records(seed)
         max_len = self.effective_max_length(tokenizer)
+        if any(carries_images(r) for r in train_records + val_records):
+            return self.tokenize_images(tokenizer, train_records, val_records, origin, max_len)
         train = [self.encode(tokenizer, r, i, origin, max_len) for i, r in enumerate(train_records)]
         val = [self.encode(tokenizer, r, i, origin, max_len) for i, r in enumerate(val_records)]
         scoring = [self.prompted(tokenizer, r, origin) for r in val_records]
@@ -67,6 +70,23 @@ class InstructionData(DataModule):
         train = [s for s in train if (s["labels"] != IGNORE_INDEX).any()]
         val = [s for s in val if (s["labels"] != IGNORE_INDEX).any()]
         return PreparedData(train=train, val=val, scoring=[p for p in scoring if p is not None])
+
+    def tokenize_images(self, tokenizer, train_records: List[dict], val_records: List[dict], origin: str, max_len: int) -> PreparedData:
+        """A vision dataset, every record through the model's processor (litft.data.images); no scoring by generation yet."""
+        records = ImageRecords(tokenizer, self.mask_prompt)
+        splits, notes = [], []
+        for name, chosen, where in (("training", train_records, origin), ("validation", val_records, self.val_path_name() or origin)):
+            encoded = [records.encode(r, i, f"record {i} of {where}", max_len) for i, r in enumerate(chosen)]
+            dropped = sum(s is None for s in encoded)
+            if dropped:
+                notes.append(f"data: {dropped} {name} record(s) longer than {max_len} tokens left out (an image's tokens are never cut; "
+                             "raise --data.max_seq_length to keep them)")
+            splits.append([s for s in encoded if s is not None and (s["labels"] != IGNORE_INDEX).any()])
+        return PreparedData(train=splits[0], val=splits[1], scoring=[], notes=notes)
+
+    def val_path_name(self) -> Optional[str]:
+        """The separate validation file's name, where there is one (for where a record is)."""
+        return None
 
     def segments(self, tokenizer, record: dict, where: str) -> List[Tuple[str, bool]]:
         """The record as text pieces, each marked True when it is trained on."""
@@ -121,7 +141,7 @@ def check_record(record, where: str) -> None:
     """Fail on the first record that has neither instruction fields nor chat messages."""
     if not isinstance(record, dict):
         raise LitftError(f"{where} is not a JSON object")
-    if "messages" in record:
+    if "messages" in record or carries_images(record):  # image records are checked as they are tokenized (litft.data.images)
         return
     needed = ("prompt", "completion") if "prompt" in record and "instruction" not in record else ("instruction", "output")
     missing = [k for k in needed if not isinstance(record.get(k), str)]
@@ -181,15 +201,21 @@ class JSON(InstructionData):
     """Put several samples in one row of max_seq_length tokens, kept apart by position ids."""
 
     def source_files(self):
-        return [p for p in (self.json_path, self.val_path) if p is not None and p.is_file()]
+        files = [p for p in (self.json_path, self.val_path) if p is not None and p.is_file()]
+        if any('"images"' in p.read_text(encoding="utf-8", errors="replace") for p in files):  # the images the records name, too
+            files += image_files([r for p in files for r in with_absolute_images(read_records(p), p.parent)])
+        return files
+
+    def val_path_name(self) -> Optional[str]:
+        return str(self.val_path) if self.val_path is not None else None
 
     def records(self, seed: int):
-        records = read_records(self.json_path)
+        records = with_absolute_images(read_records(self.json_path), self.json_path.parent)
         if not records:
             raise LitftError(f"{self.json_path} holds no records; add some or point --data.json_path elsewhere")
         for number, record in enumerate(records):
             check_record(record, f"record {number} of {self.json_path}")
         if self.val_path is not None:
-            return records, read_records(self.val_path), str(self.json_path)
+            return records, with_absolute_images(read_records(self.val_path), self.val_path.parent), str(self.json_path)
         train, val = split_train_val(records, self.val_split_fraction, seed)
         return train, val, str(self.json_path)

@@ -14,6 +14,7 @@ from litft.model.experts import counting_only
 from litft.model.recurrent import carries_state
 from litft.model.loss import fused_head
 from litft.model.offload import ActivationOffload
+from litft.model.vision import sees_images
 from litft.model.weights import transformer_blocks
 
 
@@ -50,6 +51,10 @@ class CausalLM(torch.nn.Module):
         self.block_count = 1
         self.offloaded_bytes = 0  # the host memory the last training forward's saved tensors took (--train.activation_offload)
         self._offload: Optional[ActivationOffload] = None
+        # A vision-language model computes its own positions (3-D rotary in Qwen-VL) and masks (Gemma 3's bidirectional image
+        # attention) on padded rows; the image tensors of a batch come from ``images`` (litft.model.vision.ImageInputs).
+        self.sees_images = sees_images(self.hf_model.config)
+        self.images = None
         self.offload_kind = ActivationOffload  # the estimate's trace counts instead of copying (CountedOffload)
         if train.activation_offload:
             blocks = transformer_blocks(self.hf_model)
@@ -72,8 +77,12 @@ class CausalLM(torch.nn.Module):
         config = self.hf_model.config
         return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if getattr(config, "output_router_logits", False) else 0.0
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, varlen: Optional[dict] = None):
-        """The logits (a summed loss where the head computes it), with the router's auxiliary loss as a pair where there is one."""
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None, varlen: Optional[dict] = None,
+                vision: Optional[dict] = None):
+        """The logits (a summed loss where the head computes it), with the router's auxiliary loss as a pair where there is one.
+        ``vision``: the batch's image tensors and per-token inputs, for a model that sees images."""
+        if self.sees_images:
+            position_ids, varlen = None, None
         # Where each sample of a row starts, for attention that keeps them apart (litft.model.attention).
         implementation = self.hf_model.config._attn_implementation
         extra = varlen if varlen is not None and implementation in PACKED_SAFE else {}
@@ -93,7 +102,7 @@ class CausalLM(torch.nn.Module):
         offload = self.train_args.activation_offload and self.training and torch.is_grad_enabled()
         self._offload = offload = self.offload_kind(self.block_count) if offload else None
         with packed_rows_known() if extra else contextlib.nullcontext(), offload.hooks() if offload else contextlib.nullcontext():
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra, **(vision or {}))
         if offload is not None:
             self.offloaded_bytes, self._offload = offload.host_bytes, None
         aux = getattr(out, "aux_loss", None)
@@ -111,9 +120,14 @@ class CausalLM(torch.nn.Module):
         head = fused_head(self.hf_model)
         if head is not None:
             head.loss_targets = (targets["index"], targets["labels"], per_token, 1.0 / temperature)
+        vision = None
+        if "images" in batch:
+            if self.images is None:
+                raise LitftError("this batch carries images, and the model was given no processor for them (litft.model.vision.ImageInputs)")
+            vision = self.images(batch)
         try:
             with counting_only(batch.get("real")):
-                out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"))
+                out = self(batch["input_ids"], batch.get("position_ids"), batch.get("varlen"), vision)
         finally:
             if head is not None:
                 head.loss_targets = None

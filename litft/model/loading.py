@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from litft.errors import LitftError
 from litft.model.recurrent import STATE_LAYER_TYPES, check_recurrent
+from litft.model.vision import auto_model_class
 from litft.model.tiny import TINY_MOE_NAME, TINY_NAME, ensure_tiny_model
 from litft.model.weights import skeleton, transformer_blocks
 
@@ -116,12 +117,12 @@ def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quanti
     """
     if random_init:
         config = load_config(source)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return auto_model_class(config).from_config(config, dtype=dtype)
     kwargs = {"dtype": dtype}
     if quantization_config is not None:
         kwargs.update(quantization_config=quantization_config, device_map={"": device or torch.device("cpu")})
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        model = auto_model_class(load_config(source)).from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:
         raise _hub_error(source, err) from None
     if quantization_config is not None:

@@ -19,6 +19,7 @@ from litft.config import QUANTIZE_CHOICES, LoraArgs
 from litft.errors import LitftError
 from litft.model.experts import is_experts
 from litft.model.recurrent import carries_state
+from litft.model.vision import lora_targets, sees_images
 
 
 def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype, config=None) -> Optional[BitsAndBytesConfig]:
@@ -56,18 +57,21 @@ def read_past_adapters(model) -> list:
             and name.rpartition(".")[2] in READ_AS_MATRIX]
 
 
-def peft_config(lora: LoraArgs, model):
+def peft_config(lora: LoraArgs, model, adapt_encoder: bool = False):
     from peft import LoraConfig
 
     return LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=resolved_targets(lora, model), task_type="CAUSAL_LM",
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=resolved_targets(lora, model, adapt_encoder), task_type="CAUSAL_LM",
         bias="none",
     )
 
 
-def resolved_targets(lora: LoraArgs, model):
+def resolved_targets(lora: LoraArgs, model, adapt_encoder: bool = False):
     """``all-linear`` without what Mamba kernels read past an adapter (:func:`read_past_adapters`): peft refuses those layers
-    for some of these models and would let others lose the adapter on a GPU."""
+    for some of these models and would let others lose the adapter on a GPU. A vision-language model's: the language model's
+    linear layers, and the image encoder's with ``adapt_encoder`` (litft.model.vision)."""
+    if lora.targets == "all-linear" and sees_images(model.config):
+        return lora_targets(model, adapt_encoder)
     if lora.targets != "all-linear" or not carries_state(model.config):
         return lora.targets
     head, left_out = model.get_output_embeddings(), set(read_past_adapters(model))
@@ -105,7 +109,7 @@ def expert_lora_config(config, lora: LoraArgs):
     )
 
 
-def apply_lora(model, lora: LoraArgs):
+def apply_lora(model, lora: LoraArgs, adapt_encoder: bool = False):
     """Freeze the model and add LoRA adapters; only they get gradients and optimizer state."""
     lora.check()
     # Not peft's prepare_model_for_kbit_training: it casts every bf16 tensor but the 4-bit ones to fp32, which only a
@@ -123,7 +127,7 @@ def apply_lora(model, lora: LoraArgs):
         raise LitftError("--export merged cannot yet fold adapters into MoE experts' 3-D tensors; use --export adapter (peft loads it onto the model)")
     try:
         with quiet_peft() if experts else contextlib.nullcontext():
-            peft_model = get_peft_model(model, expert_lora_config(model.config, lora) if experts else peft_config(lora, model))
+            peft_model = get_peft_model(model, expert_lora_config(model.config, lora) if experts else peft_config(lora, model, adapt_encoder))
     except ValueError as err:
         raise LitftError(f"--lora_target_modules {lora.targets} does not fit this model ({str(err).splitlines()[0]})") from None
     for module in peft_model.modules() if experts else ():

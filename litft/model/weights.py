@@ -20,9 +20,10 @@ import torch
 from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import PreTrainedModel
 
 from litft.errors import LitftError
+from litft.model.vision import auto_model_class
 
 PEFT_PREFIX = "base_model.model."
 
@@ -97,7 +98,7 @@ def per_head_tensors(model: nn.Module) -> List[str]:
 def skeleton(config, dtype: torch.dtype) -> nn.Module:
     """The model's structure with every parameter and buffer on the meta device."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return auto_model_class(config).from_config(config, dtype=dtype)
 
 
 def seed_for(seed: int, name: str) -> int:
@@ -211,7 +212,7 @@ class Materializer:
             while unset and parts:
                 parts.pop()
                 torch.manual_seed(seed_for(self.seed, checkpoint_name(".".join(parts))))  # any draw it makes: a function of the name
-                self.hf_model._init_weights(self.root.get_submodule(".".join(parts)))
+                self.init_of(checkpoint_name(".".join(parts)))(self.root.get_submodule(".".join(parts)))
                 unset = [value for value in unset if value.isnan().all()]
 
     def checkpoint_key(self, module: nn.Module, kind: str, attr: str) -> Optional[str]:
@@ -277,7 +278,20 @@ class Materializer:
                     nn.init.zeros_(value)
             else:
                 # Also recomputes non-persistent buffers such as the rotary frequencies.
-                self.hf_model._init_weights(module)
+                self.init_of(name)(module)
+
+    def init_of(self, name: str):
+        """The init of the innermost transformers model that holds ``name``, as transformers applies it: a composite model's
+        parts (a vision-language model's image encoder) init as their own class does, down to their computed buffers."""
+        parts = name.split(".") if name else []
+        for end in range(len(parts), 0, -1):
+            try:
+                holder = self.hf_model.get_submodule(".".join(parts[:end]))
+            except AttributeError:
+                continue
+            if isinstance(holder, PreTrainedModel):
+                return holder._init_weights
+        return self.hf_model._init_weights
 
 
 class AdapterInit:

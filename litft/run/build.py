@@ -25,6 +25,7 @@ from litft.model.lora import apply_lora, quantization_config, quiet_peft
 from litft.model.loss import fuse_target_loss
 from litft.model.recurrent import text_config
 from litft.model.tiled_mlp import tile_mlps
+from litft.model.vision import freeze_encoder, sees_images
 from litft.objectives import Objective, next_token
 from litft.run.plan import RunPlan
 from litft.model.causal_lm import CausalLM
@@ -41,6 +42,7 @@ def build_model(
     config, precision: str, lora: Optional[LoraArgs], gradient_checkpointing: bool, *, source: Optional[str] = None, device=None,
     attention: Optional[str] = None, structure: Callable = skeleton, liger: bool = False, dtype: Optional[torch.dtype] = None,
     frozen_dtype: Optional[torch.dtype] = None, fp8: Optional[str] = None, fp8_all_gather: bool = False, tiled_mlp: bool = False,
+    vision_encoder: str = "frozen",
 ):
     """The job's model: its structure (on the meta device, or as the strategy builds it), LoRA applied.
 
@@ -52,7 +54,8 @@ def build_model(
     (the strategy's ``frozen_base_dtype``: bf16 under bf16-mixed). ``fp8``: torchao's
     recipe for the Linear layers that convert (litft.model.fp8), after LoRA so that only
     the frozen base's layers do; their names are kept as ``model.fp8_layers``. ``tiled_mlp``: each dense MLP over the
-    sequence in chunks (litft.model.tiled_mlp), counted in ``model.tiled_mlps``.
+    sequence in chunks (litft.model.tiled_mlp), counted in ``model.tiled_mlps``. ``vision_encoder``: a vision-language model's
+    image encoder frozen (full fine-tuning trains the rest; LoRA adapts the language model) or trained (litft.model.vision).
     """
     quantize = lora.quantize if lora is not None else None
     quantization = quantization_config(quantize, compute_dtype(precision), config)
@@ -76,12 +79,14 @@ def build_model(
         if gradient_checkpointing:
             enable_checkpointing(model)
         if lora is not None:
-            model = apply_lora(model, lora)
+            model = apply_lora(model, lora, adapt_encoder=vision_encoder == "trained")
             compute_expert_lora(model)  # LoRA on MoE experts by grouped low-rank matmuls, no weight delta per expert
             for param in model.parameters():
                 if param.requires_grad and param.dtype != dtype:
                     param.data = param.data.to(dtype)  # the adapters: fp32 masters under autocast whatever the base
     base = model.get_base_model() if lora is not None else model
+    if lora is None and vision_encoder == "frozen" and sees_images(config):
+        freeze_encoder(model)
     if tiled_mlp:
         model.tiled_mlps = tile_mlps(transformer_blocks(base), text_config(config).hidden_size)
     if fp8 is not None:
@@ -138,6 +143,7 @@ def build_module(
         device=device, attention=plan.attention, structure=skeleton if quantized else strategy.structure, liger=plan.liger,
         dtype=strategy.model_dtype, frozen_dtype=strategy.frozen_base_dtype(precision), fp8=fp8,
         fp8_all_gather=fp8 == "tensorwise" and strategy.gathers_fp8, tiled_mlp=train.tiled_mlp,
+        vision_encoder="trained" if random_init else train.vision_encoder,  # a random encoder is not kept
     )
     if without_dropout:
         switch_off_dropout(model)

@@ -23,6 +23,7 @@ from litft.model.flops import expert_count
 from litft.model.kernels import describe_kernels
 from litft.model.recurrent import boundary_kernels, carries_state, describe as describe_rows_of_state
 from litft.model.recurrent import text_config
+from litft.model.vision import sees_images
 
 # How a micro-batch's samples sit in its rows.
 PADDED = "padded"  # a sample per right-padded row: attention that cannot keep packed samples apart, or layers that carry state
@@ -78,6 +79,7 @@ class Facts:
     activation_offload: bool = False
     checkpointing: bool = False  # --train.gradient_checkpointing
     tiled_mlp: bool = False
+    sees_images: bool = False  # a vision-language model (litft.model.vision)
 
     @property
     def rl(self) -> bool:
@@ -110,6 +112,8 @@ COMPILE_BLOCKERS = (
      {"objective": "grpo", "data_kind": "prompts"}),
     ("expert", lambda f: f.expert > 1, "--expert_parallel (the dispatch reads its split sizes on the host)", "drop --expert_parallel",
      {"expert": 2}),
+    ("vision", lambda f: f.sees_images, "a vision-language model (its image encoder's blocks are not yet checked compiled)",
+     "drop --compile", {"sees_images": True}),
     ("tiled", lambda f: f.tiled_mlp, "--train.tiled_mlp (its number of chunks follows each batch's length: a recompile per length)",
      "drop --train.tiled_mlp", {"tiled_mlp": True}),
 )
@@ -188,6 +192,21 @@ REFUSALS: Tuple[Refusal, ...] = (
         "--overwrite true deletes the checkpoints that --resume continues from; pass only one of them"),
             {"overwrite": True, "resumes_inside_out_dir": True}),
     # The model and the run's rows and splits.
+    Refusal("vision-split", lambda f: f.sees_images and (f.context > 1 or f.tensor > 1 or f.expert > 1), lambda f: (
+        f"--context_parallel, --tensor_parallel and --expert_parallel do not split vision-language models ({f.model_type}) yet; "
+        "use data parallel (ddp, fsdp)"), {"sees_images": True, "tensor": 2}),
+    Refusal("vision-rows", lambda f: f.sees_images and (f.packing or f.attention == SEGMENTS), lambda f: (
+        f"a vision-language model ({f.model_type}) trains a sample per padded row, with the masks and positions its own forward "
+        f"makes; drop --data.packing and use --attn_implementation auto, sdpa or eager"), {"sees_images": True, "packing": True}),
+    Refusal("vision-memory", lambda f: f.sees_images and (f.activation_offload or f.tiled_mlp), lambda f: (
+        "--train.activation_offload and --train.tiled_mlp are not wired for vision-language models yet; drop them"),
+            {"sees_images": True, "tiled_mlp": True}),
+    Refusal("vision-objective", lambda f: f.sees_images and f.objective != "sft", lambda f: (
+        f"--objective {f.objective} does not train vision-language models yet (sft does); use --objective sft"),
+            {"sees_images": True, "objective": "dpo", "data_kind": "pairs"}),
+    Refusal("vision-4bit", lambda f: f.sees_images and f.quantize is not None, lambda f: (
+        f"--quantize does not load vision-language models ({f.model_type}) in 4 bits yet; use finetune_lora without it"),
+            {"sees_images": True, "quantize": "bnb.nf4", "lora": True, "job": "finetune_lora"}),
     Refusal("packing-state", lambda f: f.packing and f.carries_state and not f.boundary_kernels, lambda f: (
         f"--data.packing puts several samples in one row, and {f.model_type}'s state-carrying layers would carry one sample's state "
         "into the next; drop --data.packing (litft trains these models a sample per padded row unless their kernels take "
@@ -351,6 +370,8 @@ def choose_attention(facts: Facts) -> str:
         return SEGMENTS
     if facts.attention != "auto":
         return facts.attention
+    if facts.sees_images:  # the model's own masks (a padded row each): transformers' SDPA path
+        return "sdpa"
     if facts.accelerator == "cuda" and "flash_attn" in facts.installed and not facts.precision.startswith("32"):
         return "flash_attention_2"
     return SEGMENTS
@@ -407,7 +428,7 @@ def facts_of(spec, accelerator: str, precision: str, strategy, config, data_worl
         split_refusal=split_refusal(config, layout, lora.quantize if lora else None), installed=installed_packages(),
         capability=capability, overwrite=spec.overwrite, resumes_inside_out_dir=spec.resumes_inside_out_dir,
         lm_eval_tasks=bool(spec.eval.tasks), activation_offload=spec.train.activation_offload,
-        checkpointing=spec.train.gradient_checkpointing, tiled_mlp=spec.train.tiled_mlp,
+        checkpointing=spec.train.gradient_checkpointing, tiled_mlp=spec.train.tiled_mlp, sees_images=sees_images(config),
     )
 
 

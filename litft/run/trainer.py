@@ -19,7 +19,7 @@ from lightning_fabric.plugins.environments import LightningEnvironment
 
 from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
 from litft.checkpoint.convert import DTYPE_NAMES, export
-from litft.data.base import mean_length
+from litft.data.base import mean_length, samples_see_images
 from litft.data.order import SampleOrder, StepBatches
 from litft.data.stream import StreamSource
 from litft.device import cuda_allocator_defaults, map_large_host_allocations, resolve_accelerator, resolve_precision
@@ -35,6 +35,8 @@ from litft.model.flops import StepFlops
 from litft.model.fp8 import describe as describe_fp8
 from litft.model.generation import Generation
 from litft.model.loading import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
+from litft.model.vision import ImageInputs, check_images_fit, load_processor
+from litft.model.vision import describe as describe_vision
 from litft.objectives import build_objective
 from litft.parallel.mesh import Mesh
 from litft.parallel.strategies import checked_strategy_class
@@ -149,6 +151,8 @@ class Trainer:
             return tokenizer, spec.data.load_or_tokenize(tokenizer, spec.seed), resume_from
 
         self.tokenizer, self.data, resume_from = rank_zero_first(fabric, load, "loading the tokenizer and data")
+        self.sees_images = samples_see_images(self.data)
+        check_images_fit(self.config, self.sees_images)
         for note in self.data.notes:
             fabric.print(note)
         streamed = isinstance(self.data.train, StreamSource)
@@ -186,6 +190,10 @@ class Trainer:
         )
         if plan.fp8 is not None:
             fabric.print(describe_fp8(plan.fp8, self.lm.model.fp8_layers, self.lm.hf_model))
+        if self.sees_images:
+            self.lm.images = ImageInputs(load_processor(resolve_model(spec.tokenizer or spec.model)), self.lm.hf_model)
+        if self.lm.sees_images:
+            fabric.print(describe_vision(self.lm.hf_model, spec.train.vision_encoder, spec.lora is not None))
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
         keep_rotary_fp32(self.lm)
         self.lm.keep_samples_apart_in_kernels(plan.rows == PACKED_WITH_BOUNDARIES)

@@ -10,10 +10,10 @@ from deepspeed import comm
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-from transformers import AutoModelForCausalLM
 from transformers.initialization import no_init_weights
 
 from litft.device import release_freed_host_memory
+from litft.model.vision import auto_model_class
 from litft.model.weights import Materializer, transformer_blocks
 
 
@@ -39,7 +39,7 @@ def build_partitioned(config, dtype: torch.dtype, ds_config: dict) -> torch.nn.M
     skipped (the filler gives every value), so tied weights are tied here.
     """
     with PartitionOnBuild(config_dict_or_path=ds_config), no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_model_class(config).from_config(config, dtype=dtype)
     model.tie_weights()
     release_freed_host_memory()
     return model

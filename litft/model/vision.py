@@ -1,0 +1,167 @@
+"""Models that see images: transformers' image-text-to-text models with text out, trained as their own forward computes.
+
+Which class builds them, which of their modules is the image encoder (frozen by default, as TRL's and LLaMA-Factory's
+users expect: the projector and the language model learn), which linear layers LoRA adapts, and the image tensors of a
+micro-batch, made at each step by the model's own processor from the texts and image files the samples keep.
+"""
+
+import functools
+import inspect
+import io
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+from litft.errors import LitftError
+
+# Where transformers' vision-language models keep their image encoder, and the names of projectors kept inside one
+# (Qwen-VL's merger); a projector anywhere else is neither encoder nor language model, and trains with the latter.
+ENCODER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
+PROJECTOR_NAMES = ("merger", "projector", "connector")
+VISION_ENCODER_CHOICES = ("frozen", "trained")
+
+
+def sees_images(config) -> bool:
+    """A vision-language model's config: transformers builds it as an image-text-to-text model, and it has an image encoder."""
+    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and getattr(config, "vision_config", None) is not None
+
+
+def auto_model_class(config):
+    """transformers' auto class for ``config``: image-text-to-text for a model that sees images (several are not causal-LM
+    classes at all: LLaVA, Idefics3, PaddleOCR-VL), the causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if sees_images(config) else AutoModelForCausalLM
+
+
+def _in_encoder(name: str) -> bool:
+    parts = name.split(".")
+    at = next((i for i, part in enumerate(parts) if part in ENCODER_NAMES), None)
+    return at is not None and not any(word in part for part in parts[at + 1:] for word in PROJECTOR_NAMES)
+
+
+def encoder_modules(hf_model) -> List[str]:
+    """The names of the modules that make up the image encoder (its projector left out)."""
+    names = [name for name, _ in hf_model.named_modules() if name and _in_encoder(name)]
+    if not names:
+        raise LitftError(f"litft cannot find the image encoder of {type(hf_model).__name__} (none of {', '.join(ENCODER_NAMES)}); "
+                         "it cannot train this vision-language model yet")
+    return names
+
+
+def language_model_name(hf_model) -> str:
+    """The name of the text decoder inside the model (``model.language_model``, ``model.text_model``...)."""
+    decoder = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else None
+    name = next((n for n, m in hf_model.named_modules() if m is decoder), None) if decoder is not None else None
+    if not name:
+        raise LitftError(f"litft cannot find the language model of {type(hf_model).__name__} (get_decoder); it cannot train it yet")
+    return name
+
+
+def freeze_encoder(hf_model) -> int:
+    """The image encoder's parameters out of training (full fine-tuning's default); how many tensors were frozen."""
+    frozen = 0
+    for name, param in hf_model.named_parameters():
+        if _in_encoder(name) and param.requires_grad:
+            param.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
+def lora_targets(hf_model, with_encoder: bool) -> List[str]:
+    """``all-linear`` for a vision-language model: every linear layer of the language model (the head apart), and of the
+    image encoder where it trains too. The projector keeps its weights, as the language model's embeddings do."""
+    decoder = language_model_name(hf_model) + "."
+    head = hf_model.get_output_embeddings()
+    return [name for name, module in hf_model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head
+            and (name.startswith(decoder) or (with_encoder and _in_encoder(name)))]
+
+
+def describe(hf_model, encoder: str, lora: bool) -> str:
+    """The first screen's line on what of a vision-language model learns."""
+    encoder_params = sum(p.numel() for n, p in hf_model.named_parameters() if _in_encoder(n))
+    decoder = language_model_name(hf_model)
+    if lora:
+        where = "the language model's and the image encoder's linear layers" if encoder == "trained" else "the language model's linear layers"
+        return f"vision: LoRA on {where}; the image encoder ({encoder_params:,} parameters) and projector frozen" + (
+            "" if encoder == "trained" else " (--train.vision_encoder trained adapts the encoder too)")
+    if encoder == "trained":
+        return f"vision: the image encoder ({encoder_params:,} parameters), projector and language model ({decoder}) all trained"
+    return (f"vision: the image encoder ({encoder_params:,} parameters) frozen, the projector and language model ({decoder}) trained "
+            "(--train.vision_encoder trained trains it too)")
+
+
+def open_image(data: bytes, where: str = "an image"):
+    """An image file's bytes as an RGB picture; one line naming it where they do not decode."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise LitftError(f"{where} does not decode as an image ({type(err).__name__}); replace or remove it") from None
+
+
+@functools.lru_cache(maxsize=4)
+def load_processor(source: str):
+    """The model folder's own processor (tokenizer, image processor and chat template together)."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(source)
+    except (OSError, ValueError, ImportError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise LitftError(f"could not load the processor of '{source}' ({first}); image records need the model folder's processor") from None
+    if getattr(processor, "image_processor", None) is None:
+        raise LitftError(f"'{source}' has no image processor (AutoProcessor gives {type(processor).__name__}); "
+                         "image records need a vision-language model's folder")
+    return processor
+
+
+def processor_call(processor, texts: Sequence[str], images: Sequence[Sequence]) -> dict:
+    """The processor on rendered texts (templates write their own special tokens) and each text's images; rows padded right."""
+    kwargs = dict(text=list(texts), return_tensors="pt", add_special_tokens=False)
+    if any(len(row) for row in images):
+        kwargs["images"] = [list(row) for row in images]
+    if len(texts) > 1:
+        kwargs.update(padding=True, padding_side="right")
+    return processor(**kwargs)
+
+
+class ImageInputs:
+    """A micro-batch's image tensors (``pixel_values``, ``image_grid_thw``, ``pixel_attention_mask``...) and per-token inputs
+    (``token_type_ids``, ``mm_token_type_ids``): the processor called on the batch's texts and images, so every tensor is
+    batched exactly as the processor batches it for the model; only what the model's forward takes is kept. The token ids
+    it gives must be the samples' own (tokenized once, before training), or the run stops.
+    """
+
+    def __init__(self, processor, hf_model):
+        self.processor = processor
+        self.takes = set(inspect.signature(hf_model.forward).parameters) - {"input_ids", "attention_mask", "labels", "position_ids"}
+
+    def __call__(self, batch: dict) -> Dict[str, torch.Tensor]:
+        images = [[open_image(data, f"an image of sample {int(i)}") for data in row] for row, i in zip(batch["images"], batch["ids"])]
+        made = processor_call(self.processor, batch["texts"], images)
+        ids, width = made["input_ids"], batch["input_ids"].shape[1]
+        for row, (mine, theirs) in enumerate(zip(batch["input_ids"], ids)):
+            n = int(batch["real"][row].sum()) if "real" in batch else width
+            if theirs.shape[0] < n or not torch.equal(theirs[:n].to(mine.device), mine[:n]):
+                raise LitftError("the processor now tokenizes a sample differently from when the data was prepared (a changed processor or "
+                                 "tokenizer?); remove the tokenized cache in $LITFT_HOME/datasets and run again")
+        out = {}
+        for key, value in made.items():
+            if key not in self.takes or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() >= 2 and value.shape[:2] == ids.shape:  # one value per token: the batch's own width
+                value = torch.nn.functional.pad(value, (0, max(0, width - value.shape[1])))[:, :width]
+            out[key] = value.to(batch["input_ids"].device, non_blocking=True)
+        return out
+
+
+def check_images_fit(config, has_images: bool) -> None:
+    """Image records need a model that sees images."""
+    if has_images and not sees_images(config):
+        raise LitftError(f"the data's records carry images, and {config.model_type} models read text only; train a vision-language "
+                         "model (an AutoModelForImageTextToText folder) or drop the images")
+

@@ -1,0 +1,157 @@
+"""Vision-language models train as transformers computes them.
+
+Each tiny model (tests/vision_models.py) is saved with its processor; the coloured-shapes records come in TRL's two vision
+layouts, text before or after the image, one record without an image. The reference is the model's own eager forward,
+one record at a time, on what its processor makes of the rendered prompt and conversation.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from litft.data import JSON
+from litft.data.collate import collate
+from litft.errors import LitftError
+from litft.model.loading import load_tokenizer
+from tests.vision_models import VISION_MODELS, reference_loss, save_vision_model, shape_image, write_shapes
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shapes")
+    train, val = write_shapes(folder, 16, 0), write_shapes(folder, 4, 1, "val.jsonl")
+    text_only = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "red"}]}
+    val.write_text(val.read_text() + json.dumps(text_only) + "\n")
+    return folder, train, val, [json.loads(line) for line in val.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def vision_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision")
+    return {m.name: save_vision_model(m, root / m.name) for m in VISION_MODELS}
+
+
+def as_litft_builds_it(folder):
+    """The model as the jobs build a vision-language model: meta skeleton, litft's fill block by block, transformers' SDPA,
+    the batch's image tensors from its processor at the step."""
+    from litft.config import TrainArgs
+    from litft.model.causal_lm import CausalLM
+    from litft.model.hub_layout import model_layout_weights
+    from litft.model.loading import load_config
+    from litft.model.vision import ImageInputs, load_processor
+    from litft.model.weights import Materializer, skeleton, transformer_blocks
+    from litft.objectives import next_token
+
+    config = load_config(str(folder))
+    model = skeleton(config, torch.float32)
+    model.set_attn_implementation("sdpa")
+    fill = Materializer(model, model, model_layout_weights(folder, config), 0)
+    for block in reversed(transformer_blocks(model)):
+        fill(block)
+    fill(model)
+    lm = CausalLM(model, TrainArgs(), next_token()).train()
+    lm.images = ImageInputs(load_processor(str(folder)), model)
+    return lm
+
+
+@pytest.mark.parametrize("model", VISION_MODELS, ids=[m.name for m in VISION_MODELS])
+def test_loss_and_gradients_equal_transformers(model, vision_folders, shapes):
+    """Micro-batches of two padded rows (images batched as the processor batches them, one row without an image): the summed
+    loss to 1e-5 and every gradient to 1e-4 of its norm (the key biases' gradients are zero in exact arithmetic: noise)."""
+    folder, _, val, records = shapes
+    prepared = JSON(json_path=val, val_path=val).tokenize(load_tokenizer(str(vision_folders[model.name])), 0)
+    assert len(prepared.val) == len(records) and [len(s["images"]) for s in prepared.val] == [1, 1, 1, 1, 0]
+    lm = as_litft_builds_it(vision_folders[model.name])
+    total = 0.0
+    for start in range(0, len(prepared.val), 2):
+        loss = lm.loss_sum(collate(prepared.val[start : start + 2], pad_id=0))
+        loss.backward()
+        total += loss.item()
+    expected, count, expected_grads = reference_loss(vision_folders[model.name], records, folder)
+    assert sum(int((s["labels"] != -100).sum()) for s in prepared.val) == count
+    assert abs(total - expected.item()) <= 1e-5 * abs(expected.item()), (total, expected.item())
+    grads = {n: p.grad for n, p in lm.hf_model.named_parameters() if p.grad is not None}
+    assert grads.keys() == expected_grads.keys()
+    scale = max(g.norm() for g in expected_grads.values())
+    for name, grad in expected_grads.items():
+        assert (grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6 * scale, name
+
+
+@pytest.mark.parametrize("job, name", [("finetune_lora", "gemma3"), ("finetune_full", "paddleocr-vl")])
+def test_jobs_train_images_and_export_what_transformers_loads(job, name, vision_folders, shapes, tmp_path):
+    """Step 0's val_loss is the model's own; full fine-tuning keeps the image encoder frozen and trains the projector; LoRA
+    adapts the language model only. The export loads with AutoModelForImageTextToText and AutoProcessor (peft's PeftModel
+    on the base for the adapter) and gives the run's last val_loss."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from litft.cli.jobs import JOBS
+    from litft.config import EvalArgs, TrainArgs
+
+    folder, train, val, records = shapes
+    source = vision_folders[name]
+    result = JOBS[job](str(source), out_dir=tmp_path / "run", data=JSON(json_path=train, val_path=val),
+                       train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=2, save_interval=None, learning_rate=1e-2),
+                       eval=EvalArgs(interval=10**6, initial_validation=True), accelerator="cpu", logger_name="csv")
+    first, last = [h["val_loss"] for h in result.history if "val_loss" in h]
+    expected, count, _ = reference_loss(source, records, folder)
+    assert abs(first - expected.item() / count) <= 1e-5 * first
+    AutoProcessor.from_pretrained(result.final_dir)  # the processor travels with the export
+    base = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32, attn_implementation="eager")
+    if job == "finetune_lora":
+        adapted = load_file(str(result.final_dir / "adapter_model.safetensors"))
+        assert adapted and all(".language_model." in key for key in adapted)
+        exported = PeftModel.from_pretrained(base, result.final_dir)
+    else:
+        exported = AutoModelForImageTextToText.from_pretrained(result.final_dir, attn_implementation="eager")
+        before, after = base.state_dict(), exported.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before if ".visual.vision_model." in k)
+        assert not all(torch.equal(before[k], after[k]) for k in before if ".projector." in k)
+    again, _, _ = reference_loss(source, records, folder, model=exported)
+    assert abs(again.item() / count - last) <= 1e-5 * last
+
+
+def test_bad_image_records_are_refused_in_one_line(vision_folders, shapes, tmp_path):
+    """A missing image file, an image part without its image, an image that does not decode, an image record that is not a
+    conversation: one line naming the record (and the file), before any model is built; image data on a text-only model too."""
+    from litft.cli.jobs import JOBS
+    from litft.config import TrainArgs
+
+    folder, train, _, _ = shapes
+    tokenizer = load_tokenizer(str(vision_folders["gemma3"]))
+    good = json.loads(train.read_text().splitlines()[0])
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    shape_image("red", __import__("random").Random(0)).save(tmp_path / "fine.png")
+    cases = {
+        "does not exist": dict(good, images=["missing.png"]),
+        r"1 image part\(s\) in its turns and 2 image\(s\)": dict(good, images=["fine.png", "fine.png"]),
+        "does not decode as an image": dict(good, images=["broken.png"]),
+        "no 'messages' list": {"prompt": "What colour?", "completion": "red", "images": ["fine.png"]},
+    }
+    for says, record in cases.items():
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps(record) + "\n")
+        with pytest.raises(LitftError, match=says) as caught:
+            JSON(json_path=path, val_path=path).tokenize(tokenizer, 0)
+        assert "record 0 of" in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(LitftError, match="has no image processor"):
+        JOBS["finetune_full"]("litft-tiny", out_dir=tmp_path / "text", data=JSON(json_path=train), accelerator="cpu", logger_name="csv",
+                              train=TrainArgs(max_steps=1))
+    assert not (tmp_path / "text").exists()
+
+
+def test_image_models_refuse_what_they_cannot_run_yet(vision_folders, shapes, tmp_path):
+    """Packing, splits of the model, other objectives and 4-bit loading: one line each, before anything is written."""
+    from litft.cli.jobs import JOBS
+
+    _, train, _, _ = shapes
+    source = str(vision_folders["llava"])
+    with pytest.raises(LitftError, match="a sample per padded row"):
+        JOBS["finetune_full"](source, out_dir=tmp_path / "a", data=JSON(json_path=train, packing=True), accelerator="cpu", logger_name="csv")
+    with pytest.raises(LitftError, match="4 bits"):
+        JOBS["finetune_lora"](source, out_dir=tmp_path / "b", data=JSON(json_path=train), quantize="bnb.nf4", accelerator="cpu", logger_name="csv")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    shutil.rmtree(tmp_path, ignore_errors=True)

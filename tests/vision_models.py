@@ -1,0 +1,191 @@
+"""Tiny random vision-language models, each a real transformers folder with its own processor, and a coloured-shapes image
+task in TRL's vision layout: what litft's image path is checked against (tests/unit/test_vision.py).
+
+Each model is its family's transformers classes at toy sizes, with litft-tiny's tokenizer given the family's image tokens
+and a small chat template that writes the family's image placeholder where a turn has an image part.
+"""
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'image' %}PLACEHOLDER{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            initializer_range=0.2, max_position_embeddings=512)
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
+
+
+def tokenizer_with(specials: Dict[str, str]):
+    """litft-tiny's tokenizer with a family's image tokens, by the names its processor reads (``tokenizer.image_token``...)."""
+    from litft.model.loading import load_tokenizer
+    from litft.model.tiny import ensure_tiny_model
+
+    tokenizer = load_tokenizer(str(ensure_tiny_model()))
+    tokenizer.add_special_tokens({"extra_special_tokens": list(specials.values())})
+    tokenizer._set_model_specific_special_tokens(special_tokens=specials)
+    return tokenizer
+
+
+def gemma3(folder: Path):
+    import transformers
+
+    tok = tokenizer_with({"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"})
+    processor = transformers.Gemma3Processor(image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                                             tokenizer=tok, image_seq_length=4, chat_template=TEMPLATE.replace("PLACEHOLDER", "<start_of_image>"))
+    text = dict(TEXT, vocab_size=len(tok), head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                query_pre_attn_scalar=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=SIGLIP, mm_tokens_per_image=4, boi_token_index=tok.boi_token_id,
+                                       eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"), image_token_index=tok.image_token_id)
+    return config, processor
+
+
+def idefics3(folder: Path):
+    import transformers
+
+    tok = tokenizer_with({"image_token": "<image>", "fake_image_token": "<fake_token_around_image>", "global_image_token": "<global-img>",
+                          "end_of_utterance_token": "<end_of_utterance>"})
+    tok.add_special_tokens({"extra_special_tokens": [f"<row_{r}_col_{c}>" for r in range(1, 4) for c in range(1, 4)]},
+                           replace_extra_special_tokens=False)
+    images = transformers.Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = transformers.Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=4,
+                                               chat_template=TEMPLATE.replace("PLACEHOLDER", "<image>"))
+    config = transformers.Idefics3Config(text_config=dict(TEXT, model_type="llama", vocab_size=len(tok)),
+                                         vision_config=dict(SIGLIP, model_type="idefics3_vision"), scale_factor=2,
+                                         image_token_id=tok.convert_tokens_to_ids("<image>"))
+    return config, processor
+
+
+def llava(folder: Path):
+    import transformers
+
+    tok = tokenizer_with({"image_token": "<image>"})
+    processor = transformers.LlavaProcessor(image_processor=transformers.CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                                                                             crop_size={"height": 32, "width": 32}),
+                                            tokenizer=tok, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                            chat_template=TEMPLATE.replace("PLACEHOLDER", "<image>"))
+    config = transformers.LlavaConfig(text_config=dict(TEXT, model_type="llama", vocab_size=len(tok)),
+                                      vision_config=dict(SIGLIP, model_type="clip_vision_model", projection_dim=32),
+                                      image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
+                                      vision_feature_layer=-1)
+    return config, processor
+
+
+def paddleocr_vl(folder: Path):
+    import transformers
+
+    tok = tokenizer_with({"image_token": "<|IMAGE_PLACEHOLDER|>", "video_token": "<|video_pad|>", "vision_start": "<|IMAGE_START|>",
+                          "vision_end": "<|IMAGE_END|>"})
+    # 8-pixel patches merged 2 x 2: an image becomes 4 to 9 tokens as its size says, with a (t, h, w) grid each.
+    images = transformers.PaddleOCRVLImageProcessorPil(patch_size=8, merge_size=2, size={"shortest_edge": 32 * 32, "longest_edge": 48 * 48})
+    processor = transformers.PaddleOCRVLProcessor(image_processor=images, tokenizer=tok,
+                                                  chat_template=TEMPLATE.replace("PLACEHOLDER", "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"))
+    ids = {name: tok.convert_tokens_to_ids(token) for name, token in (("image_token_id", "<|IMAGE_PLACEHOLDER|>"), ("video_token_id", "<|video_pad|>"),
+                                                                    ("vision_start_token_id", "<|IMAGE_START|>"), ("vision_end_token_id", "<|IMAGE_END|>"))}
+    text = dict(TEXT, vocab_size=len(tok), head_dim=8, pad_token_id=tok.pad_token_id, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [1, 1, 2]})
+    vision = dict(SIGLIP, patch_size=8, image_size=48, spatial_merge_size=2)
+    config = transformers.PaddleOCRVLConfig(text_config=text, vision_config=vision, **ids)
+    return config, processor
+
+
+@dataclass(frozen=True)
+class VisionModel:
+    name: str
+    build: Callable
+    features: str = ""
+
+
+VISION_MODELS = [
+    VisionModel("gemma3", gemma3, "bidirectional attention over an image's tokens, sliding layers, a fixed token count per image"),
+    VisionModel("idefics3", idefics3, "images split into tiles by size, a 5-D pixel batch padded with empty images"),
+    VisionModel("llava", llava, "CLIP encoder, a fixed token count per image"),
+    VisionModel("paddleocr-vl", paddleocr_vl, "dynamic resolution: tokens per image by its size, 3-D rotary positions (Qwen-VL's mechanisms)"),
+]
+
+
+def save_vision_model(model: VisionModel, folder: Path, seed: int = 0) -> Path:
+    """The tiny model, random, saved with its processor as save_pretrained saves them."""
+    from transformers import AutoModelForImageTextToText
+
+    config, processor = model.build(folder)
+    torch.manual_seed(seed)
+    built = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    built.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220), "yellow": (230, 220, 40)}
+
+
+def shape_image(colour: str, rng: random.Random):
+    """A shape of one colour on a grey ground, at a random place and size (and image size: tiling and resizing differ)."""
+    from PIL import Image, ImageDraw
+
+    width, height = rng.choice([(32, 32), (48, 32), (40, 56)])
+    image = Image.new("RGB", (width, height), (128, 128, 128))
+    x, y, r = rng.randint(8, width - 8), rng.randint(8, height - 8), rng.randint(4, 8)
+    draw = ImageDraw.Draw(image)
+    (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x - r, y - r, x + r, y + r), fill=COLOURS[colour])
+    return image
+
+
+def write_shapes(folder: Path, count: int, seed: int, name: str = "train.jsonl", layouts=("messages", "prompt")) -> Path:
+    """``count`` records asking for a shape's colour, alternating TRL's two vision layouts (and text before or after the image);
+    images as PNG files beside the JSONL, named relatively."""
+    rng = random.Random(seed)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(count):
+        colour = rng.choice(sorted(COLOURS))
+        path = f"images/{name.split('.')[0]}-{i}.png"
+        shape_image(colour, rng).save(folder / path)
+        question = {"type": "text", "text": "What colour is the shape?"}
+        user = [{"type": "image"}, question] if i % 3 else [question, {"type": "image"}]
+        answer = [{"type": "text", "text": colour}]
+        if layouts[i % len(layouts)] == "messages":
+            lines.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], "images": [path]})
+        else:
+            lines.append({"prompt": [{"role": "user", "content": user}], "completion": [{"role": "assistant", "content": answer}], "images": [path]})
+    out = folder / name
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return out
+
+
+def reference_loss(folder: Path, records: List[dict], base: Path, model=None):
+    """transformers' own summed loss over the records' completion tokens, one record at a time, the number of those tokens,
+    and the gradients: the model from ``from_pretrained`` (eager attention; or ``model``), the processor on the rendered
+    prompt and conversation, targets every token past the prompt."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder)
+    if model is None:
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model.train()
+    total, count = 0.0, 0
+    for record in records:
+        prompt = record["messages"][:-1] if "messages" in record else record["prompt"]
+        whole = record["messages"] if "messages" in record else record["prompt"] + record["completion"]
+        images = {"images": [[Image.open(base / p).convert("RGB") for p in record["images"]]]} if record.get("images") else {}
+        prompt_ids = processor(text=[processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)], **images,
+                               return_tensors="pt", add_special_tokens=False)["input_ids"]
+        inputs = processor(text=[processor.apply_chat_template(whole, tokenize=False)], **images, return_tensors="pt", add_special_tokens=False)
+        inputs.pop("attention_mask", None)
+        labels = inputs["input_ids"].clone()
+        labels[:, : prompt_ids.shape[1]] = -100
+        logits = model(**inputs).logits.float()
+        total = total + torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
+        count += int((labels[0, 1:] != -100).sum())
+    if total.requires_grad:  # an exported adapter loads frozen
+        total.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    return total.detach(), count, grads
