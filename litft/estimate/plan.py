@@ -128,7 +128,7 @@ def plan_memory(flags: dict) -> dict:
     built = build_objective(objective, lora is not None)
     frozen_dtype = strategy.frozen_base_dtype(precision)
     tensors = model_tensors(build_model(config, precision, lora, False, frozen_dtype=frozen_dtype), flags["quantize"])
-    states = memory_layout(strategy, tensors, layout, precision, train, hidden_size=config.hidden_size, planned=block_plan(config))
+    states = memory_layout(strategy, tensors, layout, precision, train, hidden_size=text_config(config).hidden_size, planned=block_plan(config))
     # A context group splits every row: a rank holds its slice's activations, and around attention whole rows of
     # heads / N heads, the same size.
     row_len = flags["seq_len"] + (objective.max_new_tokens if objective.rl else 0)  # RL trains on each prompt and its completion

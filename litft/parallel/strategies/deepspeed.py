@@ -24,6 +24,7 @@ from litft.parallel.mesh import Mesh, layout_data_world
 from litft.parallel.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes, read_dcp
 from litft.parallel.strategies.deepspeed_config import deepspeed_config
 from litft.parallel.strategies.deepspeed_state import RowShards, empty_state, restore_training_state, trained_parameters, training_state, unsharded_entries
+from litft.model.recurrent import text_config
 from litft.model.weights import CheckpointWeights, Materializer
 
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
@@ -233,7 +234,7 @@ class DeepSpeed(TrainingStrategy):
     def setup(self, fabric, lm, fill: Fill, on_device: bool):
         """DeepSpeed takes model and optimizer together; its buckets are sized to the model now that it is known."""
         self.fabric = fabric
-        sized = deepspeed_config(self.layout.deepspeed, self.train, self.layout, self.precision, lm.hf_model.config.hidden_size)
+        sized = deepspeed_config(self.layout.deepspeed, self.train, self.layout, self.precision, text_config(lm.hf_model.config).hidden_size)
         fabric.strategy.config["zero_optimization"].update(sized["zero_optimization"])
         fill(lm)
         made = lm.configure_optimizers()
