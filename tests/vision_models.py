@@ -118,6 +118,9 @@ def save_vision_model(model: VisionModel, folder: Path, seed: int = 0) -> Path:
     config, processor = model.build(folder)
     torch.manual_seed(seed)
     built = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    for name, param in built.named_parameters():
+        if name.endswith("mm_input_projection_weight"):  # Gemma 3 starts it at zero: the image would reach the loss as nothing
+            torch.nn.init.normal_(param, std=0.2)
     built.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder

@@ -16,6 +16,7 @@ from litft.estimate.states import memory_layout
 from litft.estimate.trace import trace_activations
 from litft.model.flops import expert_count, experts_per_token, flops_per_token
 from litft.model.recurrent import carries_state, text_config
+from litft.model.vision import sees_images
 from litft.run.plan import DATA_KINDS, Facts, installed_packages, refuse, rollout_engine, split_refusal
 from litft.run.logs import quiet_libraries
 from litft.estimate.memory import GiB, Row
@@ -149,7 +150,7 @@ def plan_memory(flags: dict) -> dict:
         "reference": built.describe() or "", "seq_len": flags["seq_len"], "context_parallel": layout.context_parallel,
         "tensor_parallel": layout.tensor_parallel, "expert_parallel": layout.expert_parallel, "experts": experts,
         "gradient_checkpointing": train.gradient_checkpointing, "attention": config._attn_implementation,
-        "activation_offload": train.activation_offload, "tiled_mlp": train.tiled_mlp,
+        "activation_offload": train.activation_offload, "tiled_mlp": train.tiled_mlp, "vision": sees_images(config),
         "parameters": {"total": sum(t.numel for t in tensors), "trained": sum(t.numel for t in tensors if t.trainable),
                        "quantized": sum(t.numel for t in tensors if t.quantized)},
         "quant_state_bytes": sum(t.quant_state for t in tensors),
@@ -353,6 +354,9 @@ def heading(plan: dict) -> List[str]:
            + f", {e['top_k']} per token; {_count(e['active_parameters'])} active parameters per token"
            + ("" if e["flops_per_token"] is None else f", {e['flops_per_token'] / 1e9:.2f} GFLOPs per token trained (forward and backward)")
            for e in [plan.get("experts")] if e]),
+        *(["vision: the image encoder's and projector's parameters are counted (the encoder frozen); the trace runs the language "
+           "model on text: count each image's tokens in --seq_len (its encoder's transient activations are not traced yet)"]
+          if plan.get("vision") else []),
         *([f"objective {plan['objective']}: {plan['micro_batch_size']} pairs per micro-batch (two sequences each); reference: {plan['reference']}"]
           if plan.get("objective", "sft") not in ("sft", "grpo") else []),
         *([f"objective grpo: {plan['micro_batch_size']} completions per micro-batch, each a prompt of up to {plan['seq_len']} tokens and "

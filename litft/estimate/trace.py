@@ -26,6 +26,7 @@ from litft.run.build import build_model
 from litft.config import TrainArgs
 from litft.model.causal_lm import CausalLM
 from litft.model.offload import CountedOffload
+from litft.model.recurrent import text_config
 from litft.objectives import build_objective
 from litft.objectives.args import ObjectiveArgs
 
@@ -126,13 +127,15 @@ def _fake_model(model, fake_mode, dtype_for):
 
 
 def _with_layers(config, layers: int):
-    """A copy of ``config`` with ``layers`` transformer blocks (per-layer lists cut to match)."""
+    """A copy of ``config`` with ``layers`` transformer blocks (per-layer lists cut to match); a vision-language model's
+    language model is cut, its image encoder kept whole."""
     config = copy.deepcopy(config)
-    config.num_hidden_layers = layers
+    text = text_config(config)
+    text.num_hidden_layers = layers
     for key in ("layer_types", "mlp_only_layers"):
-        value = getattr(config, key, None)
+        value = getattr(text, key, None)
         if isinstance(value, list) and len(value) > layers:
-            setattr(config, key, value[:layers])
+            setattr(text, key, value[:layers])
     return config
 
 
@@ -240,7 +243,7 @@ def trace_activations(config, build: dict, params_dtype, autocast, micro_batch_s
     The first block is traced as it is (its input, from a frozen embedding, may need no
     gradient), and every later one is like the second.
     """
-    depth = config.num_hidden_layers
+    depth = text_config(config).num_hidden_layers
     one = trace_step(config, 1, build, params_dtype, autocast, micro_batch_size, seq_len, objective, offload)
     if depth == 1:
         return Activations(one.peak, one.saved, one.peak, 0, one.offloaded)

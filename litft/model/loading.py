@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 from litft.errors import LitftError
 from litft.model.recurrent import STATE_LAYER_TYPES, check_recurrent
 from litft.model.vision import auto_model_class
-from litft.model.tiny import TINY_MOE_NAME, TINY_NAME, ensure_tiny_model
+from litft.model.tiny import TINY_NAMES, ensure_tiny_model
 from litft.model.weights import skeleton, transformer_blocks
 
 
@@ -22,7 +22,7 @@ def resolve_model(name: str) -> str:
     A string that names a filesystem location (it exists, starts with ``.``, ``/``
     or ``~``, or has more than one ``/``) must exist; anything else is a hub id.
     """
-    if name in (TINY_NAME, TINY_MOE_NAME):
+    if name in TINY_NAMES:
         return str(ensure_tiny_model(name))
     path = Path(name).expanduser()
     if path.exists():

@@ -5,7 +5,9 @@ default model is built locally: a byte-level BPE tokenizer trained on the task
 text, and a randomly initialised Llama of about 0.8M parameters. It is a real
 transformers model directory, so every code path (loading, LoRA, export) is the
 one a hub model takes. litft-tiny-moe is a Qwen3-MoE of the same size class (8 experts,
-2 per token), with the same tokenizer, for what only a MoE exercises (expert parallel).
+2 per token), with the same tokenizer, for what only a MoE exercises (expert parallel). litft-tiny-vision is a LLaVA of the
+same size class (a 2-layer CLIP encoder on 32 x 32 images, 16 tokens an image) with the tokenizer given an image token and
+a processor, for the image tutorial.
 """
 
 import os
@@ -24,11 +26,20 @@ from litft.data.tiny import task_records
 TINY_NAME = "litft-tiny"
 TINY_VERSION = 1
 TINY_MOE_NAME = "litft-tiny-moe"
+TINY_VISION_NAME = "litft-tiny-vision"
+TINY_NAMES = (TINY_NAME, TINY_MOE_NAME, TINY_VISION_NAME)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# The same turns with a turn's content as a list of parts, an image part written as the image placeholder.
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+IMAGE_TOKEN = "<image>"
 
 
 def tiny_dir(name: str = TINY_NAME) -> Path:
@@ -43,7 +54,10 @@ def ensure_tiny_model(name: str = TINY_NAME) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.build{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_model(staging, moe=name == TINY_MOE_NAME)
+    if name == TINY_VISION_NAME:
+        build_tiny_vision_model(staging)
+    else:
+        build_tiny_model(staging, moe=name == TINY_MOE_NAME)
     try:
         os.rename(staging, target)
     except OSError:
@@ -98,3 +112,35 @@ def build_tiny_model(path: Path, moe: bool = False) -> None:
     config.save_pretrained(path)
     model.generation_config.save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+def build_tiny_vision_model(path: Path) -> None:
+    """litft-tiny-vision: LLaVA's classes (a CLIP encoder, its 16 patch features an image projected by a two-layer MLP into a
+    Llama) at litft-tiny's size, saved with its processor (the image processor needs PIL only)."""
+    from transformers import AutoModelForImageTextToText, CLIPImageProcessorPil, LlavaConfig, LlavaProcessor
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"extra_special_tokens": [IMAGE_TOKEN]})
+    tokenizer._set_model_specific_special_tokens(special_tokens={"image_token": IMAGE_TOKEN})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, chat_template=VISION_CHAT_TEMPLATE)
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    vision = dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=32, patch_size=8, projection_dim=64)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    path.mkdir(parents=True, exist_ok=True)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items() if name not in tied}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.architectures, config.dtype = [type(model).__name__], torch.float32
+    config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+    processor.save_pretrained(path)

@@ -28,3 +28,7 @@ def test_tutorial_commands_run(tmp_path, page):
         losses = step_losses(tmp_path / "out" / "backwards")
         assert len(losses) == 30 and losses[-1] < losses[0]
         assert (tmp_path / "out" / "backwards" / "final-adapter" / "adapter_model.safetensors").is_file()
+    if page.name == "images.md":  # full fine-tuning learns what the pictures show: the page's "after" figure
+        losses = step_losses(tmp_path / "out" / "colours")
+        assert len(losses) == 30 and losses[-1] < 0.5 * losses[0]
+        assert (tmp_path / "score.txt").read_text().startswith("named the colour of 40 of 40")
