@@ -77,9 +77,9 @@ class DataModule:
             digest.update(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
         return digest.hexdigest()[:20]
 
-    def load_or_tokenize(self, tokenizer, seed: int) -> PreparedData:
-        """Tokenize once and keep the result in ``$LITFT_HOME/datasets``; later runs read it."""
-        cache = litft_home() / "datasets" / f"{type(self).__name__.lower()}-{self.cache_key(tokenizer, seed)}.pt"
+    def load_or_tokenize(self, tokenizer, seed: int, source: str = "") -> PreparedData:
+        """Tokenize once and keep the result in ``$LITFT_HOME/datasets``; later runs read it. ``source``: as for ``cache_key``."""
+        cache = litft_home() / "datasets" / f"{type(self).__name__.lower()}-{self.cache_key(tokenizer, seed, source)}.pt"
         if cache.is_file():
             stored = torch.load(cache, weights_only=True)
             return PreparedData(

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from litft.config import at_least
-from litft.data.base import PreparedData, Prompted, litft_home, split_indices
+from litft.data.base import DataModule, PreparedData, Prompted, litft_home, split_indices
 from litft.data.samples import IGNORE_INDEX, Sample, pack
 from litft.data.sft import InstructionData, PromptStyle
 from litft.data.stream import streamed
@@ -34,6 +34,7 @@ FIELDS = ("messages", "instruction", "input", "output", "prompt", "completion", 
 # What a dataset holds, by the fields it has, in the order they are looked for.
 FORMS = {"chat": ("messages",), "alpaca": ("instruction", "output"), "completion": ("prompt", "completion"), "text": ("text",)}
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
+IMAGES = "images"  # a vision dataset's column of images (TRL's layout)
 MAP_BATCH = 1000  # records per datasets.map call
 BLOCK_BATCH = 10_000  # text documents joined per cut; a block's worth of tail is dropped at the end of each
 PARALLEL_FROM = 20_000  # records from which tokenizing is worth starting processes for
@@ -293,6 +294,8 @@ class HF(InstructionData):
         if self.streaming:
             return streamed(self, tokenizer, seed)
         train, val = self.splits(streaming=False)
+        if IMAGES in train.column_names:  # image records: tokenized by the model's processor, as JSON's (litft.data.images)
+            return DataModule.load_or_tokenize(self, tokenizer, seed, source=f"{train._fingerprint}:{val._fingerprint if val is not None else ''}")
         key = self.cache_key(tokenizer, seed, source=f"{train._fingerprint}:{val._fingerprint if val is not None else ''}")
         cache = litft_home() / "datasets" / f"hf-{key}"
         if not (cache / "dataset_dict.json").is_file():
@@ -305,6 +308,22 @@ class HF(InstructionData):
             train=ArrowSamples(stored["train"]), val=ArrowSamples(stored["val"], first_id=len(stored["train"])),
             scoring=ArrowPrompts(stored["scoring"]),
         )
+
+    def records(self, seed: int):
+        """A dataset with an ``images`` column (``datasets`` Image values, a list a record) as image records."""
+        train, val = self.splits(streaming=False)
+        if val is None:
+            train_idx, val_idx = split_indices(len(train), self.val_split_fraction, seed)
+            train, val = train.select(train_idx), train.select(val_idx)
+        layout = self.layout([c for c in train.column_names if c != IMAGES])
+
+        def as_records(table) -> list:
+            datasets, one = hf_datasets(), isinstance(table.features[IMAGES], hf_datasets().Image)  # an image a record, or a list
+            undecoded = datasets.Image(decode=False)  # the files' bytes, decoded once they are checked
+            table = table.cast_column(IMAGES, undecoded if one else datasets.List(undecoded))
+            return [dict(layout.record(row), images=[row[IMAGES]] if one else list(row[IMAGES] or [])) for row in table]
+
+        return as_records(train), as_records(val), f"dataset {self.path!r}"
 
     def tokenize_into(self, cache: Path, train, val, tokenizer, key: str) -> None:
         """Tokenize both splits in parallel processes and save them (with the scoring prompts) as one folder, renamed into place."""

@@ -155,3 +155,24 @@ def test_image_models_refuse_what_they_cannot_run_yet(vision_folders, shapes, tm
         JOBS["finetune_lora"](source, out_dir=tmp_path / "b", data=JSON(json_path=train), quantize="bnb.nf4", accelerator="cpu", logger_name="csv")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_datasets_image_column_gives_the_samples_of_the_same_jsonl(vision_folders, shapes, tmp_path):
+    """--data HF on a dataset whose ``images`` column holds ``datasets`` Image values (saved with save_to_disk) tokenizes to the
+    very samples the JSON file gives."""
+    import datasets
+
+    from litft.data import HF
+
+    folder, _, val, records = shapes
+    rows = [dict(r, images=[str(folder / p) for p in r.get("images", [])]) for r in records if r.get("images") and "messages" in r]
+    table = datasets.Dataset.from_list(rows).cast_column("images", datasets.List(datasets.Image()))
+    datasets.DatasetDict({"train": table, "validation": table}).save_to_disk(str(tmp_path / "hf"))
+    path = tmp_path / "some.jsonl"
+    path.write_text("".join(json.dumps(dict(r, images=[str(folder / p) for p in r["images"]])) + "\n" for r in rows))
+    tokenizer = load_tokenizer(str(vision_folders["idefics3"]))
+    ours = HF(path=str(tmp_path / "hf")).load_or_tokenize(tokenizer, 0).val
+    theirs = JSON(json_path=path, val_path=path).tokenize(tokenizer, 0).val
+    assert len(ours) == len(theirs) == len(rows) > 1
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"]) and a["images"] == b["images"]
