@@ -19,7 +19,7 @@ from litft.config import QUANTIZE_CHOICES, LoraArgs
 from litft.errors import LitftError
 from litft.model.experts import is_experts
 from litft.model.recurrent import carries_state
-from litft.model.vision import lora_targets, sees_images
+from litft.model.vision import beside_language_model, lora_targets, sees_images
 
 
 def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype, config=None) -> Optional[BitsAndBytesConfig]:
@@ -31,13 +31,14 @@ def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype, con
         raise LitftError(f"--quantize {quantize} is unknown; choose one of {', '.join(QUANTIZE_CHOICES)}")
     kind, _, double = quantize.removeprefix("bnb.").partition("-")
     skip = None
-    if config is not None and carries_state(config):
+    if config is not None and (carries_state(config) or sees_images(config)):
         from transformers.quantizers.base import get_keys_to_not_convert
 
         from litft.model.weights import skeleton
 
         model = skeleton(config, torch.float32)
-        skip = sorted(set(get_keys_to_not_convert(model)) | set(read_past_adapters(model))) or None
+        kept = read_past_adapters(model) if carries_state(config) else beside_language_model(model)  # a VLM's encoder and projector
+        skip = sorted(set(get_keys_to_not_convert(model)) | set(kept)) or None
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=bool(double), bnb_4bit_compute_dtype=compute_dtype,
         llm_int8_skip_modules=skip,

@@ -59,6 +59,16 @@ def language_model_name(hf_model) -> str:
     return name
 
 
+def beside_language_model(hf_model) -> List[str]:
+    """The modules beside the language model under their common parent: the image encoder and the projector (QLoRA keeps
+    them in 16 bits, as the language model's 4-bit layers would cost them more accuracy than memory)."""
+    decoder = language_model_name(hf_model)
+    parent, _, own = decoder.rpartition(".")
+    holder = hf_model.get_submodule(parent) if parent else hf_model
+    return [f"{parent}.{name}" if parent else name for name, child in holder.named_children()
+            if name != own and any(True for _ in child.parameters())]
+
+
 def freeze_encoder(hf_model) -> int:
     """The image encoder's parameters out of training (full fine-tuning's default); how many tensors were frozen."""
     frozen = 0

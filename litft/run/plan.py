@@ -204,9 +204,6 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal("vision-objective", lambda f: f.sees_images and f.objective != "sft", lambda f: (
         f"--objective {f.objective} does not train vision-language models yet (sft does); use --objective sft"),
             {"sees_images": True, "objective": "dpo", "data_kind": "pairs"}),
-    Refusal("vision-4bit", lambda f: f.sees_images and f.quantize is not None, lambda f: (
-        f"--quantize does not load vision-language models ({f.model_type}) in 4 bits yet; use finetune_lora without it"),
-            {"sees_images": True, "quantize": "bnb.nf4", "lora": True, "job": "finetune_lora"}),
     Refusal("packing-state", lambda f: f.packing and f.carries_state and not f.boundary_kernels, lambda f: (
         f"--data.packing puts several samples in one row, and {f.model_type}'s state-carrying layers would carry one sample's state "
         "into the next; drop --data.packing (litft trains these models a sample per padded row unless their kernels take "

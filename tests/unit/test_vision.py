@@ -144,15 +144,15 @@ def test_bad_image_records_are_refused_in_one_line(vision_folders, shapes, tmp_p
 
 
 def test_image_models_refuse_what_they_cannot_run_yet(vision_folders, shapes, tmp_path):
-    """Packing, splits of the model, other objectives and 4-bit loading: one line each, before anything is written."""
+    """Packing and compile (as splits of the model and other objectives): one line each, before anything is written."""
     from litft.cli.jobs import JOBS
 
     _, train, _, _ = shapes
     source = str(vision_folders["llava"])
     with pytest.raises(LitftError, match="a sample per padded row"):
         JOBS["finetune_full"](source, out_dir=tmp_path / "a", data=JSON(json_path=train, packing=True), accelerator="cpu", logger_name="csv")
-    with pytest.raises(LitftError, match="4 bits"):
-        JOBS["finetune_lora"](source, out_dir=tmp_path / "b", data=JSON(json_path=train), quantize="bnb.nf4", accelerator="cpu", logger_name="csv")
+    with pytest.raises(LitftError, match="vision-language model"):
+        JOBS["finetune_lora"](source, out_dir=tmp_path / "b", data=JSON(json_path=train), compile=True, accelerator="cpu", logger_name="csv")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     shutil.rmtree(tmp_path, ignore_errors=True)
 
@@ -176,3 +176,21 @@ def test_a_datasets_image_column_gives_the_samples_of_the_same_jsonl(vision_fold
     assert len(ours) == len(theirs) == len(rows) > 1
     for a, b in zip(ours, theirs):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"]) and a["images"] == b["images"]
+
+
+def test_qlora_keeps_the_image_encoder_and_projector_in_16_bits(vision_folders):
+    """A 4-bit base quantizes the language model's linear layers only; LoRA adapts those, and the encoder's stay as they were."""
+    import bitsandbytes as bnb
+
+    from litft.config import LoraArgs
+    from litft.model.loading import load_config
+    from litft.run.build import build_model
+
+    for name in ("paddleocr-vl", "idefics3"):
+        model = build_model(load_config(str(vision_folders[name])), "bf16-true", LoraArgs(quantize="bnb.nf4"), False).get_base_model()
+        quantized = {n.removesuffix(".base_layer") for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+        linear = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+        assert quantized and all(".language_model." in n or ".text_model." in n for n in quantized), name
+        assert any(".vision_model." in n for n in linear) and not any(n.endswith("lm_head") for n in quantized), name
+        adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_modules() if ".lora_A." in n}
+        assert adapted and adapted <= quantized, name
