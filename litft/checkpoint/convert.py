@@ -27,7 +27,8 @@ from litft.config import LoraArgs
 from litft.model.lora import expert_lora_config
 from litft.model.loading import load_config, load_tokenizer, resolve_model
 from litft.model.hub_layout import model_layout_weights
-from litft.model.vision import auto_model_class, load_processor, sees_images
+from litft.data.images import load_processor
+from litft.model.vision import auto_model_class, sees_images
 from litft.model.weights import PEFT_PREFIX, locate_checkpoint, skeleton, transformer_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -9,15 +9,52 @@ writes after it included); image tokens never are. A sample keeps its rendered t
 processor makes the pixels again from them at each step (litft.model.vision.ImageInputs), so nothing image-sized is cached.
 """
 
+import functools
 import io
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from litft.data.samples import IGNORE_INDEX, Sample
 from litft.errors import LitftError
-from litft.model.vision import load_processor, open_image, processor_call
+
+
+def open_image(data: bytes, where: str = "an image"):
+    """An image file's bytes as an RGB picture; one line naming it where they do not decode."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise LitftError(f"{where} does not decode as an image ({type(err).__name__}); replace or remove it") from None
+
+
+@functools.lru_cache(maxsize=4)
+def load_processor(source: str):
+    """The model folder's own processor (tokenizer, image processor and chat template together)."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(source)
+    except (OSError, ValueError, ImportError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise LitftError(f"could not load the processor of '{source}' ({first}); image records need the model folder's processor") from None
+    if getattr(processor, "image_processor", None) is None:
+        raise LitftError(f"'{source}' has no image processor (AutoProcessor gives {type(processor).__name__}); "
+                         "image records need a vision-language model's folder")
+    return processor
+
+
+def processor_call(processor, texts: Sequence[str], images: Sequence[Sequence]) -> dict:
+    """The processor on rendered texts (templates write their own special tokens) and each text's images; rows padded right."""
+    kwargs = dict(text=list(texts), return_tensors="pt", add_special_tokens=False)
+    if any(len(row) for row in images):
+        kwargs["images"] = [list(row) for row in images]
+    if len(texts) > 1:
+        kwargs.update(padding=True, padding_side="right")
+    return processor(**kwargs)
 
 
 def turns_of(record) -> list:

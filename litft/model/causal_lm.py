@@ -120,8 +120,8 @@ class CausalLM(torch.nn.Module):
         head = fused_head(self.hf_model)
         if head is not None:
             head.loss_targets = (targets["index"], targets["labels"], per_token, 1.0 / temperature)
-        vision = None
-        if "images" in batch:
+        vision = batch.get("vision")  # made on the collate thread (training); validation's batches make theirs here
+        if vision is None and "images" in batch:
             if self.images is None:
                 raise LitftError("this batch carries images, and the model was given no processor for them (litft.model.vision.ImageInputs)")
             vision = self.images(batch)

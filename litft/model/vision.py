@@ -5,14 +5,13 @@ users expect: the projector and the language model learn), which linear layers L
 micro-batch, made at each step by the model's own processor from the texts and image files the samples keep.
 """
 
-import functools
 import inspect
-import io
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+from litft.data.images import open_image, processor_call
 from litft.errors import LitftError
 
 # Where transformers' vision-language models keep their image encoder, and the names of projectors kept inside one
@@ -102,43 +101,6 @@ def describe(hf_model, encoder: str, lora: bool) -> str:
             "(--train.vision_encoder trained trains it too)")
 
 
-def open_image(data: bytes, where: str = "an image"):
-    """An image file's bytes as an RGB picture; one line naming it where they do not decode."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise LitftError(f"{where} does not decode as an image ({type(err).__name__}); replace or remove it") from None
-
-
-@functools.lru_cache(maxsize=4)
-def load_processor(source: str):
-    """The model folder's own processor (tokenizer, image processor and chat template together)."""
-    from transformers import AutoProcessor
-
-    try:
-        processor = AutoProcessor.from_pretrained(source)
-    except (OSError, ValueError, ImportError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise LitftError(f"could not load the processor of '{source}' ({first}); image records need the model folder's processor") from None
-    if getattr(processor, "image_processor", None) is None:
-        raise LitftError(f"'{source}' has no image processor (AutoProcessor gives {type(processor).__name__}); "
-                         "image records need a vision-language model's folder")
-    return processor
-
-
-def processor_call(processor, texts: Sequence[str], images: Sequence[Sequence]) -> dict:
-    """The processor on rendered texts (templates write their own special tokens) and each text's images; rows padded right."""
-    kwargs = dict(text=list(texts), return_tensors="pt", add_special_tokens=False)
-    if any(len(row) for row in images):
-        kwargs["images"] = [list(row) for row in images]
-    if len(texts) > 1:
-        kwargs.update(padding=True, padding_side="right")
-    return processor(**kwargs)
-
-
 class ImageInputs:
     """A micro-batch's image tensors (``pixel_values``, ``image_grid_thw``, ``pixel_attention_mask``...) and per-token inputs
     (``token_type_ids``, ``mm_token_type_ids``): the processor called on the batch's texts and images, so every tensor is
@@ -149,6 +111,11 @@ class ImageInputs:
     def __init__(self, processor, hf_model):
         self.processor = processor
         self.takes = set(inspect.signature(hf_model.forward).parameters) - {"input_ids", "attention_mask", "labels", "position_ids"}
+
+    def ahead(self, batch: dict) -> dict:
+        """The batch with its image tensors made (``batch["vision"]``), where the loop's batches are collated a step ahead."""
+        batch["vision"] = self(batch)
+        return batch
 
     def __call__(self, batch: dict) -> Dict[str, torch.Tensor]:
         images = [[open_image(data, f"an image of sample {int(i)}") for data in row] for row, i in zip(batch["images"], batch["ids"])]

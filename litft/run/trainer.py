@@ -20,6 +20,7 @@ from lightning_fabric.plugins.environments import LightningEnvironment
 from litft.checkpoint import CheckpointMeta, Checkpointer, resolve_resume
 from litft.checkpoint.convert import DTYPE_NAMES, export
 from litft.data.base import mean_length, samples_see_images
+from litft.data.images import load_processor
 from litft.data.order import SampleOrder, StepBatches
 from litft.data.stream import StreamSource
 from litft.device import cuda_allocator_defaults, map_large_host_allocations, resolve_accelerator, resolve_precision
@@ -35,7 +36,7 @@ from litft.model.flops import StepFlops
 from litft.model.fp8 import describe as describe_fp8
 from litft.model.generation import Generation
 from litft.model.loading import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
-from litft.model.vision import ImageInputs, check_images_fit, load_processor
+from litft.model.vision import ImageInputs, check_images_fit
 from litft.model.vision import describe as describe_vision
 from litft.objectives import build_objective
 from litft.parallel.mesh import Mesh
@@ -236,14 +237,16 @@ class Trainer:
         spec, data, train = self.spec, self.data, self.spec.train
         # The ranks of a context group take the same samples: between them they are one data-parallel rank.
         rank, world, pad, pin = self.context.data_rank, self.context.data_world, self.tokenizer.pad_token_id, self.fabric.device.type == "cuda"
+        split = self.context.split
+        if self.lm.images is not None:  # a batch's image tensors made on the collate thread, a step ahead (litft.model.vision)
+            split = lambda batch, cut=split: self.lm.images.ahead(cut(batch))  # noqa: E731
         if isinstance(data.train, StreamSource):
-            return data.train.step_batches(train.global_batch_size, train.micro_batch_size, rank, world, pad, pin, self.padding_free,
-                                           self.context.split)
+            return data.train.step_batches(train.global_batch_size, train.micro_batch_size, rank, world, pad, pin, self.padding_free, split)
         own = self.objective.step_batches(self, resumed)
         if own is not None:
             return own
         order = SampleOrder(num_train, train.global_batch_size, train.micro_batch_size, rank, world, spec.seed)
-        return StepBatches(data.train, order, pad, self.padding_free, pin=pin, split=self.context.split)
+        return StepBatches(data.train, order, pad, self.padding_free, pin=pin, split=split)
 
     def make_meters(self) -> None:
         spec, fabric, train = self.spec, self.fabric, self.spec.train

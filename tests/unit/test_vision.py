@@ -40,7 +40,8 @@ def as_litft_builds_it(folder):
     from litft.model.causal_lm import CausalLM
     from litft.model.hub_layout import model_layout_weights
     from litft.model.loading import load_config
-    from litft.model.vision import ImageInputs, load_processor
+    from litft.data.images import load_processor
+    from litft.model.vision import ImageInputs
     from litft.model.weights import Materializer, skeleton, transformer_blocks
     from litft.objectives import next_token
 
