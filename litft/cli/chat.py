@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
-from transformers import AutoModelForCausalLM, TextStreamer
+from transformers import TextStreamer
 
 from litft.checkpoint.convert import model_from_checkpoint
 from litft.checkpoint.format import CHECKPOINTS, META, CheckpointMeta, resolve_resume
@@ -23,7 +23,9 @@ from litft.device import resolve_accelerator
 from litft.errors import LitftError
 from litft.model.generation import stop_tokens
 from litft.cli.flags import GENERATION, PROMPT, TRAINED_MODEL, command
-from litft.model.loading import load_tokenizer, resolve_model
+from litft.data.images import load_processor, open_image, processor_call
+from litft.model.loading import load_config, load_tokenizer, resolve_model
+from litft.model.vision import auto_model_class, sees_images
 
 ANSWER_STAND_IN = "x"  # the answer's turn is rendered with a stand-in, to find where the prompt ends
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines splits on
@@ -32,7 +34,7 @@ HELP = "Ctrl-D or /exit quits, /reset starts a new conversation, Ctrl-C stops an
 
 def _from_pretrained(source: str, dtype: torch.dtype):
     try:
-        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype).eval()
+        return auto_model_class(load_config(source)).from_pretrained(source, dtype=dtype).eval()
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise LitftError(f"could not load '{source}' ({first}); pass a model folder, a litft run or checkpoint, or a hub id") from None
@@ -84,7 +86,8 @@ class PieceWriter(TextStreamer):
 class Conversation:
     """A loaded model with its generation settings: renders turns as training did and answers them."""
 
-    def __init__(self, model: str, system: Optional[str], max_new_tokens: int, temperature: float, top_p: float, prompt_style: str, accelerator: str, seed: int):
+    def __init__(self, model: str, system: Optional[str], max_new_tokens: int, temperature: float, top_p: float, prompt_style: str, accelerator: str, seed: int,
+                 image: Optional[Path] = None):
         if max_new_tokens < 1:
             raise LitftError("--max_new_tokens must be at least 1")
         if temperature < 0:
@@ -104,7 +107,22 @@ class Conversation:
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
         self.settings = dict(max_new_tokens=max_new_tokens, pad_token_id=self.tokenizer.pad_token_id, **sampling)
         self.history: List[dict] = []
+        self.image = self.processor = None
+        if image is not None:
+            self.take_image(Path(image))
         torch.manual_seed(seed)
+
+    def take_image(self, image: Path) -> None:
+        """The picture the conversation is about, and the processor that renders it with the prompts (a VLM's own)."""
+        config = getattr(self.model, "config", None)
+        if config is None or not sees_images(config):
+            raise LitftError(f"--image needs a vision-language model; {self.loaded} reads text only")
+        if self.style != "chat":
+            raise LitftError("--image needs --prompt_style chat (the processor's chat template places the picture)")
+        if not image.is_file():
+            raise LitftError(f"--image {image} does not exist; pass a picture file")
+        self.image = open_image(image.read_bytes(), f"--image {image}")
+        self.processor = load_processor(self.tokenizer.name_or_path)
 
     def prompt_ids(self, user: str) -> List[int]:
         """The conversation so far and the new turn, as the training data of this prompt style renders them."""
@@ -116,13 +134,26 @@ class Conversation:
             record = {"instruction": user, "output": ANSWER_STAND_IN}
         return self.renderer.prompted(self.tokenizer, record, "the prompt").prompt_ids
 
+    def image_inputs(self, user: str) -> dict:
+        """The conversation with its picture (in the first user turn) as the processor makes it for the model."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        turns = [*self.history, {"role": "user", "content": user}]
+        first = next(i for i, turn in enumerate(turns) if turn["role"] == "user")
+        turns[first] = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": turns[first]["content"]}]}
+        text = self.processor.apply_chat_template([*system, *turns], tokenize=False, add_generation_prompt=True)
+        return {key: value.to(self.device) for key, value in processor_call(self.processor, [text], [[self.image]]).items()}
+
     @torch.no_grad()
     def answer(self, user: str, write: Callable[[str], None] = lambda text: None, remember: bool = False) -> str:
         """The model's answer to ``user``, each piece handed to ``write`` as it is generated."""
-        ids = torch.tensor([self.prompt_ids(user)], device=self.device)
+        if self.image is not None:
+            inputs = self.image_inputs(user)
+        else:
+            ids = torch.tensor([self.prompt_ids(user)], device=self.device)
+            inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+        ids = inputs["input_ids"]
         out = self.model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), streamer=PieceWriter(self.tokenizer, write),
-            eos_token_id=stop_tokens(self.model, self.tokenizer), **self.settings,
+            **inputs, streamer=PieceWriter(self.tokenizer, write), eos_token_id=stop_tokens(self.model, self.tokenizer), **self.settings,
         )
         text = self.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
         if remember and self.style == "chat":

@@ -178,6 +178,7 @@ GENERATION = [
     Flag("temperature", float, 0.7, "Sampling temperature; 0 answers greedily (the same answer every time)."),
     Flag("top_p", float, 0.9, "Sample from the fewest tokens whose probabilities add up to top_p (1 keeps them all)."),
     Flag("prompt_style", PromptStyle, "chat", "How prompts are rendered, as in training: chat (the tokenizer's chat template), alpaca or plain."),
+    Flag("image", Optional[Path], None, "A picture the conversation is about, for a vision-language model: it goes with the first prompt, through the model's processor."),
     ACCELERATOR,
     SEED.but(help="Seeds the sampling."),
 ]

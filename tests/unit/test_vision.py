@@ -195,3 +195,28 @@ def test_qlora_keeps_the_image_encoder_and_projector_in_16_bits(vision_folders):
         assert any(".vision_model." in n for n in linear) and not any(n.endswith("lm_head") for n in quantized), name
         adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_modules() if ".lora_A." in n}
         assert adapted and adapted <= quantized, name
+
+
+def test_generate_with_an_image_answers_as_transformers_generates(vision_folders, shapes):
+    """litft generate --image: the picture in the first user turn through the model's processor and chat template; greedy,
+    the same tokens as transformers' generate on what the processor makes of that conversation. A text model refuses it."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from litft.cli.chat import Conversation
+
+    folder, _, _, records = shapes
+    image = folder / records[0]["images"][0]
+    source = vision_folders["llava"]
+    conversation = Conversation(str(source), None, 6, 0.0, 1.0, "chat", "cpu", 0, image=image)
+    answer = conversation.answer("What colour is the shape?")
+    processor = AutoProcessor.from_pretrained(source)
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]
+    text = processor.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[Image.open(image).convert("RGB")]], return_tensors="pt", add_special_tokens=False)
+    model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32).eval()
+    out = model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=processor.tokenizer.eos_token_id,
+                         pad_token_id=processor.tokenizer.pad_token_id)
+    assert answer == processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    with pytest.raises(LitftError, match="reads text only"):
+        Conversation("litft-tiny", None, 6, 0.0, 1.0, "chat", "cpu", 0, image=image)
