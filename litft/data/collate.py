@@ -46,8 +46,10 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
         "varlen": cumulative_lengths(position_ids),
         "targets": targets_of(labels),
     }
-    if images:  # the processor makes the image tensors from these at the step (litft.model.vision.ImageInputs)
-        batch["texts"], batch["images"] = [s["text"] for s in samples], [s["images"] for s in samples]
+    if images:  # the processor makes the image tensors from these at the step (litft.model.vision.ImageInputs); a pair: two rows
+        texts = [s.get("texts") or [s["text"]] for s in samples]
+        batch["texts"] = [text for row in texts for text in row]
+        batch["images"] = [s["images"] for s, row in zip(samples, texts) for _ in row]
     if not padding_free or images:
         batch["real"] = real  # the tokens that are not padding, for counts that must not see it (litft.model.experts)
     if "rejected_start" in samples[0]:  # preference pairs (litft.data.preference): two sequences each, chosen then rejected

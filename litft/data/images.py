@@ -150,9 +150,38 @@ class ImageRecords:
     def tokens(self, text: str, images: list) -> torch.Tensor:
         return processor_call(self.processor, [text], [images])["input_ids"][0] if text else torch.zeros(0, dtype=torch.long)
 
-    def encode(self, record: dict, index: int, where: str, max_len: int) -> Optional[Sample]:
-        """The record as a sample, or None where it is longer than ``max_len`` (an image's tokens are never cut)."""
-        messages, spans = conversation(record, where)
+    def pair(self, record: dict, index: int, where: str, max_len: int) -> Optional[Sample]:
+        """A preference pair about images (TRL's layout: ``prompt`` messages with image parts, ``chosen`` and ``rejected``
+        responses as text or messages, ``images``) as one sample of two sequences (litft.data.preference's layout), each
+        with the prompt's images; None where a sequence is longer than ``max_len``."""
+        prompt = record.get("prompt")
+        if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise LitftError(f"{where} carries images, and its 'prompt' is not a list of {{'role', 'content'}} messages with the image parts")
+        stored = self.images_of(record, prompt, where)
+        images = [open_image(data) for data in stored]
+        before = self.tokens(self.render(prompt, prompt=True), images)
+        rows, texts = [], []
+        for key in ("chosen", "rejected"):
+            response = record.get(key)
+            response = [{"role": "assistant", "content": response}] if isinstance(response, str) else response
+            if not response or not isinstance(response, list) or image_parts(response):
+                raise LitftError(f"{where}: '{key}' must be a non-empty text or list of assistant messages without images")
+            text = self.render(prompt + response, prompt=False)
+            ids = self.tokens(text, images)
+            if not torch.equal(ids[: len(before)], before) or len(ids) == len(before):
+                raise LitftError(f"the processor's chat template does not render {where} with its prompt first, so the responses cannot be told apart")
+            rows.append(ids)
+            texts.append(text)
+        if max(len(ids) for ids in rows) > max_len:
+            return None
+        labels = [torch.cat([torch.full((len(before),), IGNORE_INDEX), ids[len(before):]]) for ids in rows]
+        for row, ids in zip(labels, rows):
+            row[torch.isin(ids, self.never_targets)] = IGNORE_INDEX
+        return {"input_ids": torch.cat(rows), "labels": torch.cat(labels), "position_ids": torch.cat([torch.arange(len(ids)) for ids in rows]),
+                "rejected_start": torch.tensor(len(rows[0])), "id": torch.tensor(index), "texts": texts, "images": stored}
+
+    def images_of(self, record: dict, messages: list, where: str) -> List[bytes]:
+        """The record's images, one per image part of ``messages``, as checked file bytes."""
         entries = record.get("images") or []
         if not isinstance(entries, list):
             raise LitftError(f"{where} has an 'images' field that is not a list")
@@ -160,7 +189,12 @@ class ImageRecords:
         if wanted != len(entries):
             raise LitftError(f"{where} has {wanted} image part(s) in its turns and {len(entries)} image(s) in 'images'; "
                              "give one image per {'type': 'image'} part, in order")
-        stored = [image_bytes(entry, where) for entry in entries]
+        return [image_bytes(entry, where) for entry in entries]
+
+    def encode(self, record: dict, index: int, where: str, max_len: int) -> Optional[Sample]:
+        """The record as a sample, or None where it is longer than ``max_len`` (an image's tokens are never cut)."""
+        messages, spans = conversation(record, where)
+        stored = self.images_of(record, messages, where)
         images = [open_image(data) for data in stored]
         text = self.render(messages, prompt=False)
         ids = self.tokens(text, images)

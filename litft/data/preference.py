@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from litft.data.base import DataModule, PreparedData, Prompted
+from litft.data.images import ImageRecords, carries_images
 from litft.data.samples import IGNORE_INDEX, Sample
 from litft.data.records import RecordSource
 from litft.data.sft import PromptStyle, alpaca_prompt
@@ -32,6 +33,8 @@ def check_pair(record, where: str) -> None:
     """One line for a record that is not a preference pair, naming the record."""
     if not isinstance(record, dict):
         raise LitftError(f"{where} is not a JSON object; each record needs 'chosen' and 'rejected' (and 'prompt')")
+    if carries_images(record):  # checked as it is tokenized, by the model's processor (litft.data.images)
+        return
     missing = [key for key in ("chosen", "rejected") if key not in record]
     if missing:
         raise LitftError(f"{where} lacks the field(s) {', '.join(missing)}; each record needs 'chosen' and 'rejected' (text or chat messages) and a 'prompt'")
@@ -108,6 +111,9 @@ class PreferenceData(DataModule):
             responses.append(whole[len(before):])
         return before, responses[0], responses[1], True
 
+    def tokenize_images(self, tokenizer, train_records: List[dict], val_records: List[dict], origin: str, max_len: int) -> PreparedData:
+        return tokenize_image_pairs(tokenizer, train_records, val_records, origin, max_len)
+
     def encode(self, tokenizer, record: dict, index: int, where: str, max_len: int) -> Tuple[Optional[Sample], str]:
         """The pair as one sample (None when its prompt leaves no room for a response), and whether truncation cut it."""
         prompt_text, chosen_text, rejected_text, templated = self.rendered(tokenizer, record, where)
@@ -145,6 +151,8 @@ class PreferenceData(DataModule):
     def tokenize(self, tokenizer, seed: int) -> PreparedData:
         train_records, val_records, origin = self.records(seed)
         max_len = self.effective_max_length(tokenizer)
+        if any(carries_images(r) for r in train_records + val_records):
+            return self.tokenize_images(tokenizer, train_records, val_records, origin, max_len)
         train, cut, dropped = self.encode_all(tokenizer, train_records, origin, max_len)
         val, val_cut, val_dropped = self.encode_all(tokenizer, val_records, origin, max_len)
         notes = []
@@ -154,6 +162,18 @@ class PreferenceData(DataModule):
                 f"{max_len} (the prompt kept whole); {dropped + val_dropped} dropped, their prompt alone that long"
             )
         return PreparedData(train=train, val=val, scoring=[prompted(tokenizer, s) for s in val], notes=notes)
+
+
+def tokenize_image_pairs(tokenizer, train_records: List[dict], val_records: List[dict], origin: str, max_len: int) -> PreparedData:
+    """Pairs about images (litft.data.images), through the model's processor; no scoring by generation yet."""
+    pairs, splits, dropped = ImageRecords(tokenizer, mask_prompt=True), [], 0
+    for records in (train_records, val_records):
+        encoded = [pairs.pair(r, i, f"record {i} of {origin}", max_len) for i, r in enumerate(records)]
+        dropped += sum(s is None for s in encoded)
+        splits.append([s for s in encoded if s is not None])
+    notes = [f"preference data: {dropped} pairs about images longer than --data.max_seq_length {max_len} left out (an image's tokens are "
+             "never cut)"] if dropped else []
+    return PreparedData(train=splits[0], val=splits[1], scoring=[], notes=notes)
 
 
 def prompted(tokenizer, pair: Sample) -> Prompted:

@@ -5,6 +5,7 @@ from typing import Callable, List, Optional, Tuple
 
 from litft.data.base import split_train_val
 from litft.data.hf import HF
+from litft.data.images import with_absolute_images
 from litft.data.sft import read_records
 from litft.errors import LitftError
 
@@ -21,7 +22,7 @@ class RecordSource:
         """The records of a JSON/JSONL file (no validation split), or of a dataset's training split and its validation split."""
         local = Path(where).expanduser()
         if local.suffix in (".json", ".jsonl") and local.is_file():
-            return [self.renamed(r) for r in read_records(local)], None
+            return with_absolute_images([self.renamed(r) for r in read_records(local)], local.parent), None
         train, val = HF(path=where, name=self.name, split=self.split).splits(streaming=False)
         rows = lambda split: None if split is None else [self.renamed(dict(r)) for r in split]  # noqa: E731
         return rows(train), rows(val)

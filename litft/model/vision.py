@@ -118,7 +118,7 @@ class ImageInputs:
         return batch
 
     def __call__(self, batch: dict) -> Dict[str, torch.Tensor]:
-        images = [[open_image(data, f"an image of sample {int(i)}") for data in row] for row, i in zip(batch["images"], batch["ids"])]
+        images = [[open_image(data, f"an image of the batch's row {r}") for data in row] for r, row in enumerate(batch["images"])]
         made = processor_call(self.processor, batch["texts"], images)
         ids, width = made["input_ids"], batch["input_ids"].shape[1]
         for row, (mine, theirs) in enumerate(zip(batch["input_ids"], ids)):

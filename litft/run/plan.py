@@ -201,9 +201,9 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal("vision-memory", lambda f: f.sees_images and (f.activation_offload or f.tiled_mlp), lambda f: (
         "--train.activation_offload and --train.tiled_mlp are not wired for vision-language models yet; drop them"),
             {"sees_images": True, "tiled_mlp": True}),
-    Refusal("vision-objective", lambda f: f.sees_images and f.objective != "sft", lambda f: (
-        f"--objective {f.objective} does not train vision-language models yet (sft does); use --objective sft"),
-            {"sees_images": True, "objective": "dpo", "data_kind": "pairs"}),
+    Refusal("vision-objective", lambda f: f.sees_images and f.rl, lambda f: (
+        f"--objective {f.objective} does not train vision-language models yet (sft and the preference objectives do)"),
+            {"sees_images": True, "objective": "grpo", "data_kind": "prompts"}),
     Refusal("packing-state", lambda f: f.packing and f.carries_state and not f.boundary_kernels, lambda f: (
         f"--data.packing puts several samples in one row, and {f.model_type}'s state-carrying layers would carry one sample's state "
         "into the next; drop --data.packing (litft trains these models a sample per padded row unless their kernels take "

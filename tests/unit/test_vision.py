@@ -220,3 +220,31 @@ def test_generate_with_an_image_answers_as_transformers_generates(vision_folders
     assert answer == processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
     with pytest.raises(LitftError, match="reads text only"):
         Conversation("litft-tiny", None, 6, 0.0, 1.0, "chat", "cpu", 0, image=image)
+
+
+def test_dpo_on_pairs_about_images_starts_at_log_2_as_its_reference(vision_folders, shapes, tmp_path):
+    """DPO on TRL's image-pair layout: each pair's two rows carry the prompt's image; the reference scores the same model, so
+    step 0's validation loss is -log sigmoid(0) = log 2, to float rounding, and the policy then moves off it."""
+    import math
+
+    from litft.cli.jobs import JOBS
+    from litft.config import EvalArgs, TrainArgs
+    from litft.data import Preferences
+    from litft.objectives.args import ObjectiveArgs
+
+    folder, train, _, _ = shapes
+    pairs = []
+    for line in train.read_text().splitlines()[:8]:
+        record = json.loads(line)
+        prompt = record["messages"][:1] if "messages" in record else record["prompt"]
+        answer = (record["messages"][1] if "messages" in record else record["completion"][0])["content"][0]["text"]
+        pairs.append({"prompt": prompt, "chosen": answer, "rejected": "purple" if answer != "purple" else "red",
+                      "images": [str(folder / p) for p in record["images"]]})
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    result = JOBS["finetune_lora"](str(vision_folders["idefics3"]), out_dir=tmp_path / "run", objective=ObjectiveArgs(name="dpo"),
+                                   data=Preferences(path=str(path), val_path=str(path)), accelerator="cpu", logger_name="csv",
+                                   train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=2, save_interval=None, learning_rate=1e-2),
+                                   eval=EvalArgs(interval=10**6, initial_validation=True))
+    first, last = [h["val_loss"] for h in result.history if "val_loss" in h]
+    assert abs(first - math.log(2)) <= 1e-6 and last != first
