@@ -15,6 +15,7 @@ from litft.data import JSON
 from litft.data.collate import collate
 from litft.errors import LitftError
 from litft.model.loading import load_tokenizer
+from tests.conftest import step_losses
 from tests.vision_models import VISION_MODELS, reference_loss, save_vision_model, shape_image, write_shapes
 
 
@@ -248,3 +249,24 @@ def test_dpo_on_pairs_about_images_starts_at_log_2_as_its_reference(vision_folde
                                    eval=EvalArgs(interval=10**6, initial_validation=True))
     first, last = [h["val_loss"] for h in result.history if "val_loss" in h]
     assert abs(first - math.log(2)) <= 1e-6 and last != first
+
+
+def test_a_resumed_image_run_matches_the_uninterrupted_one(vision_folders, shapes, tmp_path):
+    """Four steps of full fine-tuning on image records, against two, a checkpoint, and two more resumed from it: the same
+    losses (the same batches, images made again from the checkpointed order) and the same exported weights."""
+    from safetensors.torch import load_file
+
+    from litft.cli.jobs import JOBS
+    from litft.config import EvalArgs, TrainArgs
+
+    _, train, val, _ = shapes
+    common = dict(data=JSON(json_path=train, val_path=val), accelerator="cpu", logger_name="csv", eval=EvalArgs(interval=10**6, final_validation=False))
+    steps = lambda **kw: TrainArgs(global_batch_size=4, micro_batch_size=2, learning_rate=1e-2, warmup_steps=1, max_steps=4, **kw)  # noqa: E731
+    source = str(vision_folders["gemma3"])
+    whole = JOBS["finetune_full"](source, out_dir=tmp_path / "whole", train=steps(save_interval=2), **common)
+    JOBS["finetune_full"](source, out_dir=tmp_path / "cut", train=steps(save_interval=2, stop_after_steps=2), **common)
+    resumed = JOBS["finetune_full"](source, out_dir=tmp_path / "cut", train=steps(save_interval=2), resume="auto", **common)
+    assert step_losses(tmp_path / "cut") == pytest.approx(step_losses(tmp_path / "whole"), rel=1e-6)
+    assert len(step_losses(tmp_path / "whole")) == 4
+    ours, theirs = load_file(str(resumed.final_dir / "model.safetensors")), load_file(str(whole.final_dir / "model.safetensors"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
