@@ -217,6 +217,36 @@ def child_env(threads: int) -> dict:
     return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=python_path(ROOT))
 
 
+def step_clock():
+    """A Trainer callback that stamps the end of each step and keeps the logs that count tokens (TRL's trainers log num_tokens)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.stamps, self.logs = [], []
+
+        def on_step_end(self, *_, **__):
+            self.stamps.append(time.perf_counter())
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "num_tokens" in logs:
+                self.logs.append(dict(logs))
+
+    return StepClock()
+
+
+def clocked_train(trainer, clock, cuda: bool):
+    """``trainer.train()``: each step's seconds (from ``clock``), and the allocator's peak in GB on a GPU (else None)."""
+    import torch
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    trainer.train()
+    stamps = [started, *clock.stamps]
+    return [b - a for a, b in zip(stamps, stamps[1:])], torch.cuda.max_memory_allocated() / 1e9 if cuda else None
+
+
 def peer_side(script: str, raw: list, work: Path, side: str, threads: int) -> dict:
     """A peer's side: ``script`` run again in its own process with ``--_side side``; the result it printed after RESULT,
     with the process's peak resident memory."""

@@ -28,14 +28,13 @@ import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from vs_hf_trainer import RESULT, WORDS, peer_side, run_litft, steady_rates, work_and_model  # noqa: E402
+from vs_hf_trainer import RESULT, WORDS, clocked_train, peer_side, run_litft, steady_rates, step_clock, work_and_model  # noqa: E402
 
 SIDES = ("litft", "trl", "trl-padding-free", "litft-checkpointed")
 
@@ -116,7 +115,7 @@ def trl_side(args, model_path: Path, work: Path, padding_free: bool) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
     from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
     from litft.model.loading import load_tokenizer
@@ -130,13 +129,6 @@ def trl_side(args, model_path: Path, work: Path, padding_free: bool) -> dict:
     samples = litft_pairs(work, tokenizer, args.seed)
     per_step = [sum(len(samples[i]["input_ids"]) for i in step) for step in steps]
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.stamps = []
-
-        def on_step_end(self, *_, **__):
-            self.stamps.append(time.perf_counter())
-
     class InOrder(DPOTrainer):
         def _get_train_sampler(self, *_, **__):
             return SequentialSampler(self.train_dataset)
@@ -149,18 +141,11 @@ def trl_side(args, model_path: Path, work: Path, padding_free: bool) -> dict:
         save_strategy="no", report_to=[], use_cpu=not cuda, seed=args.seed, bf16=cuda, dataloader_num_workers=0, remove_unused_columns=False,
     )
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    clock = Clock()
+    clock = step_clock()
     trainer = InOrder(model=model, args=config, train_dataset=Dataset.from_list(ordered), processing_class=tokenizer, peft_config=lora, callbacks=[clock])
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    trainer.train()
-    stamps = [started, *clock.stamps]
-    seconds = [b - a for a, b in zip(stamps, stamps[1:])]
+    seconds, peak = clocked_train(trainer, clock, cuda)
     result = {"tokens_per_s": sum(per_step[args.skip :]) / sum(seconds[args.skip :]), "steps": len(seconds)}
-    if cuda:
-        result["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    return result
+    return result if peak is None else {**result, "peak_gb": peak}
 
 
 def main(argv=None) -> None:

@@ -27,7 +27,6 @@ allocator's peak).
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tutorials"))
 sys.path.insert(0, str(ROOT))
 
-from vs_hf_trainer import RESULT, peer_side, run_litft, steady_rates, work_and_model  # noqa: E402
+from vs_hf_trainer import RESULT, clocked_train, peer_side, run_litft, steady_rates, step_clock, work_and_model  # noqa: E402
 
 SIDES = ("litft", "litft-checkpointed", "trl")  # TRL's GRPOConfig checkpoints activations by default, litft does not
 OPTIONAL_SIDES = ("litft-vllm",)
@@ -93,7 +92,7 @@ def trl_side(args, model_path: Path, work: Path) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     from litft.model.loading import load_tokenizer
@@ -103,17 +102,6 @@ def trl_side(args, model_path: Path, work: Path) -> dict:
     cuda = args.accelerator == "cuda"
     tokenizer = load_tokenizer(str(model_path))
     records = [json.loads(line) for line in (work / "prompts.jsonl").read_text().splitlines()]
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.stamps, self.logs = [], []
-
-        def on_step_end(self, *_, **__):
-            self.stamps.append(time.perf_counter())
-
-        def on_log(self, _args, _state, _control, logs=None, **__):
-            if logs and "num_tokens" in logs:
-                self.logs.append(dict(logs))
 
     completions = args.prompts * args.group
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
@@ -125,24 +113,17 @@ def trl_side(args, model_path: Path, work: Path) -> dict:
         dataloader_num_workers=0,
     )
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    clock = Clock()
+    clock = step_clock()
     trainer = GRPOTrainer(model=model, reward_funcs=[word_order], args=config, train_dataset=Dataset.from_list(records),
                           processing_class=tokenizer, peft_config=lora, callbacks=[clock])
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    trainer.train()
-    stamps = [started, *clock.stamps]
-    seconds = [b - a for a, b in zip(stamps, stamps[1:])]
+    seconds, peak = clocked_train(trainer, clock, cuda)
     seen = [0.0] + [log["num_tokens"] for log in clock.logs]
     tokens = [b - a for a, b in zip(seen, seen[1:])]
     lengths = [log["completions/mean_length"] for log in clock.logs]
     steady = seconds[args.skip :]
     result = {"s_per_step": sum(steady) / len(steady), "tokens_per_s": sum(tokens[args.skip :]) / sum(steady),
               "completion_length": sum(lengths[args.skip :]) / len(lengths[args.skip :]), "steps": len(seconds)}
-    if cuda:
-        result["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    return result
+    return result if peak is None else {**result, "peak_gb": peak}
 
 
 def main(argv=None) -> None:

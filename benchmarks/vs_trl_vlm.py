@@ -19,7 +19,6 @@ import json
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +26,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tutorials" / "colour-shapes"))
 sys.path.insert(0, str(ROOT))
 
-from vs_hf_trainer import RESULT, peer_side, run_litft, steady_rates  # noqa: E402
+from vs_hf_trainer import RESULT, clocked_train, peer_side, run_litft, steady_rates, step_clock  # noqa: E402
 
 SIDES = ("litft", "trl")
 
@@ -115,7 +114,7 @@ def trl_side(args, model_path: Path, work: Path) -> dict:
     from datasets import Dataset
     from PIL import Image
     from peft import LoraConfig
-    from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
+    from transformers import AutoModelForImageTextToText, AutoProcessor
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(args.threads)
@@ -125,17 +124,6 @@ def trl_side(args, model_path: Path, work: Path) -> dict:
     for record in records:
         record["images"] = [Image.open(work / path).convert("RGB") for path in record["images"]]
 
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.stamps, self.tokens = [], []
-
-        def on_step_end(self, *_, **__):
-            self.stamps.append(time.perf_counter())
-
-        def on_log(self, _args, _state, _control, logs=None, **__):
-            if logs and "num_tokens" in logs:
-                self.tokens.append(logs["num_tokens"])
-
     model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
     config = SFTConfig(
         output_dir=str(work / "trl"), per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=args.global_batch // args.micro_batch,
@@ -144,22 +132,15 @@ def trl_side(args, model_path: Path, work: Path) -> dict:
     )
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)",
                       task_type="CAUSAL_LM")
-    clock = Clock()
+    clock = step_clock()
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(records), processing_class=processor, peft_config=lora,
                          callbacks=[clock])
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    trainer.train()
-    stamps = [started, *clock.stamps]
-    seconds = [b - a for a, b in zip(stamps, stamps[1:])]
-    seen = [0.0] + clock.tokens
+    seconds, peak = clocked_train(trainer, clock, cuda)
+    seen = [0.0] + [log["num_tokens"] for log in clock.logs]
     tokens = [b - a for a, b in zip(seen, seen[1:])]
     steady = seconds[args.skip :]
     result = {"s_per_step": sum(steady) / len(steady), "tokens_per_s": sum(tokens[args.skip :]) / sum(steady), "steps": len(seconds)}
-    if cuda:
-        result["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    return result
+    return result if peak is None else {**result, "peak_gb": peak}
 
 
 def main(argv=None) -> None:

@@ -7,7 +7,7 @@ and a small chat template that writes the family's image placeholder where a tur
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List
 

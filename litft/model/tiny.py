@@ -103,7 +103,13 @@ def build_tiny_model(path: Path, moe: bool = False) -> None:
     model = Qwen3MoeForCausalLM(config) if moe else LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    # Written directly: transformers' save_pretrained has accelerate import DeepSpeed (and log its accelerator) on a first run.
+    save_tiny_folder(model, tokenizer, path)
+
+
+def save_tiny_folder(model, processing, path: Path) -> None:
+    """A built model and its tokenizer (or processor) as a transformers folder. Written directly: transformers' save_pretrained
+    has accelerate import DeepSpeed (and log its accelerator) on a first run."""
+    config = model.config
     path.mkdir(parents=True, exist_ok=True)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items() if name not in tied}
@@ -111,7 +117,7 @@ def build_tiny_model(path: Path, moe: bool = False) -> None:
     config.architectures, config.dtype = [type(model).__name__], torch.float32
     config.save_pretrained(path)
     model.generation_config.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    processing.save_pretrained(path)
 
 
 def build_tiny_vision_model(path: Path) -> None:
@@ -136,11 +142,4 @@ def build_tiny_vision_model(path: Path) -> None:
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    path.mkdir(parents=True, exist_ok=True)
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    weights = {name: tensor.contiguous() for name, tensor in model.state_dict().items() if name not in tied}
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config.architectures, config.dtype = [type(model).__name__], torch.float32
-    config.save_pretrained(path)
-    model.generation_config.save_pretrained(path)
-    processor.save_pretrained(path)
+    save_tiny_folder(model, processor, path)
