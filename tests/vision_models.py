@@ -78,6 +78,22 @@ def llava(folder: Path):
     return config, processor
 
 
+def llava_next(folder: Path):
+    import transformers
+
+    tok = tokenizer_with({"image_token": "<image>"})
+    pinpoints = [[32, 32], [32, 64], [64, 32]]  # "anyres": an image tiled into crops by its shape, beside its resized whole
+    images = transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                                     image_grid_pinpoints=pinpoints)
+    processor = transformers.LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
+                                                num_additional_image_tokens=1, chat_template=TEMPLATE.replace("PLACEHOLDER", "<image>"))
+    config = transformers.LlavaNextConfig(text_config=dict(TEXT, model_type="llama", vocab_size=len(tok)),
+                                          vision_config=dict(SIGLIP, model_type="clip_vision_model", projection_dim=32),
+                                          image_token_index=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
+                                          vision_feature_select_strategy="default", vision_feature_layer=-1)
+    return config, processor
+
+
 def paddleocr_vl(folder: Path):
     import transformers
 
@@ -96,6 +112,33 @@ def paddleocr_vl(folder: Path):
     return config, processor
 
 
+def qwen_vl(config_class: str):
+    """A Qwen-VL model (2, 2.5 or 3) with a stand-in processor: transformers builds every Qwen-VL processor with a video
+    processor that needs torchvision, which these machines lack. PaddleOCR-VL's processor does what Qwen-VL's does for
+    images (an image's tokens as its (t, h, w) grid says, one token a merged patch) around Qwen2-VL's own image processor,
+    so the models' own code runs on what their processor would make of an image."""
+
+    def build(folder: Path):
+        import transformers
+
+        tok = tokenizer_with({"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_start": "<|vision_start|>",
+                              "vision_end": "<|vision_end|>"})
+        images = transformers.Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=48 * 48)
+        processor = transformers.PaddleOCRVLProcessor(image_processor=images, tokenizer=tok,
+                                                      chat_template=TEMPLATE.replace("PLACEHOLDER", "<|vision_start|><|image_pad|><|vision_end|>"))
+        ids = {f"{name}_id": tok.convert_tokens_to_ids(token) for name, token in (
+            ("image_token", "<|image_pad|>"), ("video_token", "<|video_pad|>"), ("vision_start_token", "<|vision_start|>"),
+            ("vision_end_token", "<|vision_end|>"))}
+        text = dict(TEXT, vocab_size=len(tok), head_dim=8, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+        vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
+                      in_chans=3, in_channels=3, intermediate_size=64, out_hidden_size=32, mlp_ratio=2, num_position_embeddings=64,
+                      deepstack_visual_indexes=[1])
+        return getattr(transformers, config_class)(text_config=text, vision_config=vision, **ids), processor
+
+    return build
+
+
 @dataclass(frozen=True)
 class VisionModel:
     name: str
@@ -107,6 +150,10 @@ VISION_MODELS = [
     VisionModel("gemma3", gemma3, "bidirectional attention over an image's tokens, sliding layers, a fixed token count per image"),
     VisionModel("idefics3", idefics3, "images split into tiles by size, a 5-D pixel batch padded with empty images"),
     VisionModel("llava", llava, "CLIP encoder, a fixed token count per image"),
+    VisionModel("llava-next", llava_next, "anyres: an image tiled into crops by its shape, a 5-D pixel batch and each image's size"),
+    VisionModel("qwen2-vl", qwen_vl("Qwen2VLConfig"), "3-D rotary positions, tokens per image by its size (a stand-in processor)"),
+    VisionModel("qwen2.5-vl", qwen_vl("Qwen2_5_VLConfig"), "windowed vision attention, 3-D rotary positions (a stand-in processor)"),
+    VisionModel("qwen3-vl", qwen_vl("Qwen3VLConfig"), "deepstack features into the language model's layers, 3-D rotary (a stand-in processor)"),
     VisionModel("paddleocr-vl", paddleocr_vl, "dynamic resolution: tokens per image by its size, 3-D rotary positions (Qwen-VL's mechanisms)"),
 ]
 

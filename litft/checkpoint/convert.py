@@ -163,7 +163,7 @@ def _write_model(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict
     config = load_config(source)
     out_dtype = DTYPES[dtype] if dtype else next(iter(trained.shapes.values()))[1]
     # Frozen weights come from the model the run started from (LoRA's base; a vision-language model's frozen image encoder).
-    base = model_layout_weights(locate_checkpoint(source), config) if lora or sees_images(config) else None
+    base = model_layout_weights(locate_checkpoint(source), config) if lora or kept_frozen(config, meta) else None
     scale = run_config["lora_alpha"] / run_config["lora_r"] if lora else 0.0
     prefix = "base_model.model." if lora else ""
     model = skeleton(config, out_dtype)
@@ -210,7 +210,7 @@ def model_from_checkpoint(path: Path, dtype: Optional[torch.dtype] = None):
     out_dtype = dtype if isinstance(dtype, torch.dtype) else next(iter(trained.shapes.values()))[1]  # "auto": as trained
     with no_init_weights():  # every weight is filled from the checkpoint; buffers (rotary frequencies) are made as usual
         model = auto_model_class(config).from_config(config, dtype=out_dtype)
-    base = model_layout_weights(locate_checkpoint(source), config) if lora or sees_images(config) else None
+    base = model_layout_weights(locate_checkpoint(source), config) if lora or kept_frozen(config, meta) else None
     scale = run_config["lora_alpha"] / run_config["lora_r"] if lora else 0.0
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -220,6 +220,12 @@ def model_from_checkpoint(path: Path, dtype: Optional[torch.dtype] = None):
                 params[name].copy_(block[name])
     model.tie_weights()
     return model.eval(), load_tokenizer(resolve_model(run_config.get("tokenizer") or meta.model))
+
+
+def kept_frozen(config, meta: CheckpointMeta) -> bool:
+    """Whether a full run left weights frozen that its checkpoint does not hold: a vision-language model's image encoder
+    (not in pretraining, which starts every weight at random and trains them all)."""
+    return sees_images(config) and meta.job != "pretrain"
 
 
 def save_processing(run_config: dict, meta: CheckpointMeta, staging: Path) -> None:

@@ -292,6 +292,8 @@ class HF(InstructionData):
     def load_or_tokenize(self, tokenizer, seed: int) -> PreparedData:
         """Map-style: tokenized once per dataset fingerprint and read back memory-mapped; streamed: see ``stream.py``."""
         if self.streaming:
+            if IMAGES in (self.splits(streaming=True)[0].column_names or []):
+                raise LitftError(f"dataset {self.path!r} has an images column, and image records are not streamed yet; set --data.streaming false")
             return streamed(self, tokenizer, seed)
         train, val = self.splits(streaming=False)
         if IMAGES in train.column_names:  # image records: tokenized by the model's processor, as JSON's (litft.data.images)
@@ -316,6 +318,9 @@ class HF(InstructionData):
             train_idx, val_idx = split_indices(len(train), self.val_split_fraction, seed)
             train, val = train.select(train_idx), train.select(val_idx)
         layout = self.layout([c for c in train.column_names if c != IMAGES])
+        if layout.form not in ("chat", "completion"):
+            raise LitftError(f"dataset {self.path!r} has an images column beside {layout.form} records; image records are messages or "
+                             "prompt/completion conversations whose turns hold {'type': 'image'} parts (map yours with --data.columns)")
 
         def as_records(table) -> list:
             datasets, one = hf_datasets(), isinstance(table.features[IMAGES], hf_datasets().Image)  # an image a record, or a list

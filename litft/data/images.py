@@ -27,7 +27,7 @@ def open_image(data: bytes, where: str = "an image"):
     try:
         with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as err:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as err:
         raise LitftError(f"{where} does not decode as an image ({type(err).__name__}); replace or remove it") from None
 
 

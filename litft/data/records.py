@@ -5,7 +5,7 @@ from typing import Callable, List, Optional, Tuple
 
 from litft.data.base import split_train_val
 from litft.data.hf import HF
-from litft.data.images import with_absolute_images
+from litft.data.images import image_files, with_absolute_images
 from litft.data.sft import read_records
 from litft.errors import LitftError
 
@@ -16,7 +16,10 @@ class RecordSource:
     ``val_split_fraction`` and ``columns`` fields takes these methods."""
 
     def source_files(self):
-        return [Path(p) for p in (self.path, self.val_path) if p is not None and Path(p).is_file()]
+        files = [Path(p) for p in (self.path, self.val_path) if p is not None and Path(p).is_file()]
+        if any('"images"' in p.read_text(encoding="utf-8", errors="replace") for p in files if p.suffix in (".json", ".jsonl")):
+            files += image_files([r for p in files for r in with_absolute_images(read_records(p), p.parent)])  # the images, too
+        return files
 
     def read(self, where: str) -> Tuple[List[dict], Optional[List[dict]]]:
         """The records of a JSON/JSONL file (no validation split), or of a dataset's training split and its validation split."""

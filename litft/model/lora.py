@@ -37,8 +37,8 @@ def quantization_config(quantize: Optional[str], compute_dtype: torch.dtype, con
         from litft.model.weights import skeleton
 
         model = skeleton(config, torch.float32)
-        kept = read_past_adapters(model) if carries_state(config) else beside_language_model(model)  # a VLM's encoder and projector
-        skip = sorted(set(get_keys_to_not_convert(model)) | set(kept)) or None
+        kept = (read_past_adapters(model) if carries_state(config) else []) + (beside_language_model(model) if sees_images(config) else [])
+        skip = sorted(set(get_keys_to_not_convert(model)) | set(kept)) or None  # a VLM's encoder and projector stay in 16 bits
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=bool(double), bnb_4bit_compute_dtype=compute_dtype,
         llm_int8_skip_modules=skip,
@@ -72,7 +72,8 @@ def resolved_targets(lora: LoraArgs, model, adapt_encoder: bool = False):
     for some of these models and would let others lose the adapter on a GPU. A vision-language model's: the language model's
     linear layers, and the image encoder's with ``adapt_encoder`` (litft.model.vision)."""
     if lora.targets == "all-linear" and sees_images(model.config):
-        return lora_targets(model, adapt_encoder)
+        left_out = set(read_past_adapters(model)) if carries_state(model.config) else set()
+        return [name for name in lora_targets(model, adapt_encoder) if name not in left_out]
     if lora.targets != "all-linear" or not carries_state(model.config):
         return lora.targets
     head, left_out = model.get_output_embeddings(), set(read_past_adapters(model))

@@ -6,10 +6,11 @@ micro-batch, made at each step by the model's own processor from the texts and i
 """
 
 import inspect
+import threading
 from typing import Dict, List
 
 import torch
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from litft.data.images import open_image, processor_call
 from litft.errors import LitftError
@@ -22,16 +23,21 @@ VISION_ENCODER_CHOICES = ("frozen", "trained")
 
 
 def sees_images(config) -> bool:
-    """A vision-language model's config: transformers builds it as an image-text-to-text model, and it has an image encoder."""
-    return config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and getattr(config, "vision_config", None) is not None
+    """A vision-language model's config, as litft builds it: an image-text-to-text model with an image encoder, whose
+    causal-LM class (where transformers has one) is that same model. Where the causal-LM class is the text model alone
+    (Qwen3.5, Llama 4, Mllama), litft trains that, as before it read images."""
+    kind = config.model_type
+    if kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is None:
+        return False
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[kind]) == MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[kind]
 
 
 def auto_model_class(config):
-    """transformers' auto class for ``config``: image-text-to-text for a model that sees images (several are not causal-LM
-    classes at all: LLaVA, Idefics3, PaddleOCR-VL), the causal LM otherwise."""
+    """transformers' auto class for ``config``: the causal LM's where it has one, else image-text-to-text for a model that
+    sees images (LLaVA, Idefics3, PaddleOCR-VL have no causal-LM class at all)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if sees_images(config) else AutoModelForCausalLM
+    return AutoModelForImageTextToText if sees_images(config) and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForCausalLM
 
 
 def _in_encoder(name: str) -> bool:
@@ -110,6 +116,7 @@ class ImageInputs:
 
     def __init__(self, processor, hf_model):
         self.processor = processor
+        self.lock = threading.Lock()  # the collate thread and validation share the processor (and its tokenizer's padding state)
         self.takes = set(inspect.signature(hf_model.forward).parameters) - {"input_ids", "attention_mask", "labels", "position_ids"}
 
     def ahead(self, batch: dict) -> dict:
@@ -119,7 +126,8 @@ class ImageInputs:
 
     def __call__(self, batch: dict) -> Dict[str, torch.Tensor]:
         images = [[open_image(data, f"an image of the batch's row {r}") for data in row] for r, row in enumerate(batch["images"])]
-        made = processor_call(self.processor, batch["texts"], images)
+        with self.lock:
+            made = processor_call(self.processor, batch["texts"], images)
         ids, width = made["input_ids"], batch["input_ids"].shape[1]
         for row, (mine, theirs) in enumerate(zip(batch["input_ids"], ids)):
             n = int(batch["real"][row].sum()) if "real" in batch else width

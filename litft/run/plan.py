@@ -198,6 +198,9 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal("vision-rows", lambda f: f.sees_images and (f.packing or f.attention == SEGMENTS), lambda f: (
         f"a vision-language model ({f.model_type}) trains a sample per padded row, with the masks and positions its own forward "
         f"makes; drop --data.packing and use --attn_implementation auto, sdpa or eager"), {"sees_images": True, "packing": True}),
+    Refusal("vision-state", lambda f: f.sees_images and f.carries_state, lambda f: (
+        f"vision-language models whose language model carries state ({f.model_type}) are not checked against transformers yet; "
+        "train the text model alone or another vision-language model"), {"sees_images": True, "carries_state": True}),
     Refusal("vision-memory", lambda f: f.sees_images and (f.activation_offload or f.tiled_mlp), lambda f: (
         "--train.activation_offload and --train.tiled_mlp are not wired for vision-language models yet; drop them"),
             {"sees_images": True, "tiled_mlp": True}),
@@ -290,7 +293,7 @@ class RunPlan:
     def decide(cls, facts: Facts) -> "RunPlan":
         refuse(facts)
         attention = choose_attention(facts)
-        packed = attention in PACKED_SAFE
+        packed = attention in PACKED_SAFE and not facts.sees_images  # a VLM computes its own positions and masks: a row per sample
         if facts.carries_state:
             rows = PACKED_WITH_BOUNDARIES if packed and facts.boundary_kernels else PADDED
         else:

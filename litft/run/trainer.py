@@ -36,7 +36,7 @@ from litft.model.flops import StepFlops
 from litft.model.fp8 import describe as describe_fp8
 from litft.model.generation import Generation
 from litft.model.loading import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
-from litft.model.vision import ImageInputs, check_images_fit
+from litft.model.vision import ImageInputs, check_images_fit, sees_images
 from litft.model.vision import describe as describe_vision
 from litft.objectives import build_objective
 from litft.parallel.mesh import Mesh
@@ -106,6 +106,7 @@ class Trainer:
         if spec.eval.tasks:  # lm-eval's tasks found (or refused) before any process starts
             check_tasks([t.strip() for t in spec.eval.tasks.split(",") if t.strip()], spec.eval.include_path)
         strategy = chosen(layout, accelerator, precision, spec.train, Mesh.of(layout, chosen))
+        strategy.idle_parameters = sees_images(config)
         fabric = L.Fabric(
             accelerator=accelerator, devices=layout.devices, num_nodes=layout.num_nodes, strategy=strategy.fabric_strategy(),
             precision=precision, loggers=make_loggers(spec.out_dir, spec.loggers), plugins=plugins,

@@ -270,3 +270,23 @@ def test_a_resumed_image_run_matches_the_uninterrupted_one(vision_folders, shape
     assert len(step_losses(tmp_path / "whole")) == 4
     ours, theirs = load_file(str(resumed.final_dir / "model.safetensors")), load_file(str(whole.final_dir / "model.safetensors"))
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_which_configs_train_as_vision_language_models(vision_folders):
+    """A model trains as a VLM where its causal-LM class is the image-text-to-text model itself (Gemma 3) or it has none
+    (LLaVA...); where transformers' causal-LM class is the text model alone (Qwen3.5), litft trains that, as before. A VLM's
+    rows are padded whatever attention is asked for: its own forward makes the positions and masks."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from litft.model.loading import load_config
+    from litft.model.vision import auto_model_class, sees_images
+    from litft.run.plan import PADDED, Facts, RunPlan
+
+    assert sees_images(load_config(str(vision_folders["gemma3"]))) and sees_images(load_config(str(vision_folders["llava"])))
+    assert auto_model_class(load_config(str(vision_folders["llava"]))) is AutoModelForImageTextToText
+    assert auto_model_class(load_config(str(vision_folders["gemma3"]))) is AutoModelForCausalLM  # its causal-LM class is the VLM
+    qwen = transformers.Qwen3_5Config()
+    assert not sees_images(qwen) and auto_model_class(qwen) is AutoModelForCausalLM
+    flash = Facts(sees_images=True, attention="flash_attention_2", installed=frozenset({"flash_attn"}), precision="bf16-mixed", accelerator="cuda")
+    assert RunPlan.decide(flash).rows == PADDED

@@ -76,6 +76,7 @@ class TrainingStrategy:
         # which then need no GPU sync); gloo alone on the CPU.
         self.backend = "cuda:nccl,cpu:gloo" if accelerator == "cuda" else "gloo"
         self.fabric = None
+        self.idle_parameters = False  # some trained parameters may get no gradient in a step (a VLM's projector, a step without images)
 
     @property
     def fills_4bit(self) -> bool:

@@ -21,5 +21,6 @@ class DDP(TrainingStrategy):
     name = "DDP"
 
     def fabric_strategy(self):
-        return DDPStrategy(process_group_backend=self.backend, timeout=process_group_timeout())
+        # A vision-language model's projector gets no gradient from a micro-batch without images (text records beside image ones).
+        return DDPStrategy(process_group_backend=self.backend, timeout=process_group_timeout(), find_unused_parameters=self.idle_parameters)
 
