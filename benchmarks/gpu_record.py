@@ -21,6 +21,7 @@ are random-weight shapes built on the device (it has no network).
 | 8b_qlora | the 8B run with the base in NF4 (bitsandbytes) | tok/s, speed and memory over Trainer + bitsandbytes |
 | dpo | DPO with LoRA on the 1B shape against TRL's DPOTrainer (benchmarks/vs_trl_dpo.py); litft also with activations checkpointed, as TRL does by default | speed and memory over TRL |
 | grpo | GRPO with LoRA on the 1B shape against TRL's GRPOTrainer (benchmarks/vs_trl_grpo.py): 16 prompts x 8 completions of up to 128 tokens a step | steps/s and memory over TRL, each side as it comes and with litft's activations checkpointed |
+| vlm | vision-language LoRA SFT on a LLaVA built on the device (a 2048 x 16 Llama, 64 image tokens a picture) against TRL's SFTTrainer (benchmarks/vs_trl_vlm.py) | steps/s and memory over TRL |
 | 8b_long | the 8B QLoRA run at one 65,536-token sequence a step: checkpointing alone, and with activation offload and the tiled MLP | tok/s and peak of each, offload over checkpointed |
 | 8b_qlora_max_seq, 8b_lora_max_seq | the longest single sequence 8B QLoRA (LoRA in bf16) trains a step at, with checkpointing, offload and the tiled MLP (benchmarks/longest_sequence.py: from the estimate, each try a real step) | the longest length that fitted |
 
@@ -139,6 +140,11 @@ def grpo_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
     return over_trl(rows, "gpu_grpo", lambda ours, trl: trl["s_per_step"] / ours["s_per_step"])
 
 
+def vlm_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
+    """Steps per second over TRL's on the same image records and batches (each side counts its own tokens)."""
+    return over_trl(rows, "gpu_vlm", lambda ours, trl: trl["s_per_step"] / ours["s_per_step"])
+
+
 def longest_rows(figure: str) -> Callable[[List[dict], Dict[str, float]], Dict[str, float]]:
     """longest_sequence.py's last line: the longest length that trained a step (its tries' lines come before it)."""
     def read(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
@@ -202,6 +208,10 @@ GROUPS = {
                                      "--max_new_tokens", "128", "--micro_batch", "32", "--steps", "4"], 240, grpo_rows, needs=("trl",),
                   sample=tuple(json.dumps({"side": side, "tokens_per_s": speed, "s_per_step": 10000.0 / speed, "peak_gb": gb})
                                for side, speed, gb in (("litft", 3000.0, 12.0), ("trl", 1500.0, 10.0), ("litft-checkpointed", 2500.0, 8.0)))),
+    "vlm": Group("vs_trl_vlm.py", ["--accelerator", "cuda", "--hidden", "2048", "--layers", "16", "--records", "256", "--micro_batch", "16",
+                                   "--global_batch", "32", "--steps", "8"], 150, vlm_rows, needs=("trl", "PIL"),
+                 sample=(json.dumps({"side": "litft", "tokens_per_s": 30000.0, "s_per_step": 0.5, "peak_gb": 10.0}),
+                         json.dumps({"side": "trl", "tokens_per_s": 20000.0, "s_per_step": 0.75, "peak_gb": 14.0}))),
     "8b_long": Group(VS, _vs("8b-qlora-long", "--seq_len", "65536", "--sides", "litft-checkpointed,litft-offload", steps=4), 240,
                      trainer_rows, needs=("bitsandbytes",),
                      sample=(_trainer_line("8b-qlora-long", "litft-checkpointed", 4000.0), _trainer_line("8b-qlora-long", "litft-offload", 3600.0))),
