@@ -71,9 +71,13 @@ def resolved_targets(lora: LoraArgs, model, adapt_encoder: bool = False):
     """``all-linear`` without what Mamba kernels read past an adapter (:func:`read_past_adapters`): peft refuses those layers
     for some of these models and would let others lose the adapter on a GPU. A vision-language model's: the language model's
     linear layers, and the image encoder's with ``adapt_encoder`` (litft.model.vision)."""
-    if lora.targets == "all-linear" and sees_images(model.config):
+    if sees_images(model.config) and (lora.targets == "all-linear" or isinstance(lora.targets, list)):
+        # Short names (q_proj...) name layers of the image encoder too: they are taken in the language model, and in the
+        # encoder only where it trains.
         left_out = set(read_past_adapters(model)) if carries_state(model.config) else set()
-        return [name for name in lora_targets(model, adapt_encoder) if name not in left_out]
+        chosen = None if lora.targets == "all-linear" else set(lora.targets)
+        return [name for name in lora_targets(model, adapt_encoder) if name not in left_out
+                and (chosen is None or name in chosen or name.rpartition(".")[2] in chosen)]
     if lora.targets != "all-linear" or not carries_state(model.config):
         return lora.targets
     head, left_out = model.get_output_embeddings(), set(read_past_adapters(model))

@@ -290,3 +290,18 @@ def test_which_configs_train_as_vision_language_models(vision_folders):
     assert not sees_images(qwen) and auto_model_class(qwen) is AutoModelForCausalLM
     flash = Facts(sees_images=True, attention="flash_attention_2", installed=frozenset({"flash_attn"}), precision="bf16-mixed", accelerator="cuda")
     assert RunPlan.decide(flash).rows == PADDED
+
+
+def test_lora_targets_by_short_name_stay_in_the_language_model(vision_folders):
+    """--lora_target_modules [q_proj, v_proj] on a VLM: the language model's q and v projections (the encoder has its own),
+    and the encoder's too once --train.vision_encoder trained."""
+    from litft.config import LoraArgs
+    from litft.model.loading import load_config
+    from litft.model.lora import resolved_targets
+    from litft.model.weights import skeleton
+
+    model = skeleton(load_config(str(vision_folders["llava"])), torch.float32)
+    lora = LoraArgs(target_modules=["q_proj", "v_proj"])
+    names = resolved_targets(lora, model)
+    assert names and all(".language_model." in n and n.rsplit(".", 1)[1] in ("q_proj", "v_proj") for n in names)
+    assert any(".vision_tower." in n for n in resolved_targets(lora, model, adapt_encoder=True))
