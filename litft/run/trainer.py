@@ -155,6 +155,9 @@ class Trainer:
         self.tokenizer, self.data, resume_from = rank_zero_first(fabric, load, "loading the tokenizer and data")
         self.sees_images = samples_see_images(self.data)
         check_images_fit(self.config, self.sees_images)
+        if self.sees_images and spec.eval.score_samples:
+            raise LitftError("--eval.score_samples scores answers generated from text prompts, and image records are not scored by "
+                             "generation yet; set it to 0 (val_loss is computed as usual)")
         for note in self.data.notes:
             fabric.print(note)
         streamed = isinstance(self.data.train, StreamSource)

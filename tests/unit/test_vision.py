@@ -146,16 +146,20 @@ def test_bad_image_records_are_refused_in_one_line(vision_folders, shapes, tmp_p
 
 
 def test_image_models_refuse_what_they_cannot_run_yet(vision_folders, shapes, tmp_path):
-    """Packing and compile (as splits of the model and other objectives): one line each, before anything is written."""
+    """Packing, scoring by generation and compile (as splits of the model and GRPO): one line each, before anything is written."""
     from litft.cli.jobs import JOBS
+    from litft.config import EvalArgs
 
     _, train, _, _ = shapes
     source = str(vision_folders["llava"])
     with pytest.raises(LitftError, match="a sample per padded row"):
         JOBS["finetune_full"](source, out_dir=tmp_path / "a", data=JSON(json_path=train, packing=True), accelerator="cpu", logger_name="csv")
+    with pytest.raises(LitftError, match="not scored by generation yet"):
+        JOBS["finetune_full"](source, out_dir=tmp_path / "c", data=JSON(json_path=train), eval=EvalArgs(score_samples=4), accelerator="cpu",
+                              logger_name="csv")
     with pytest.raises(LitftError, match="vision-language model"):
         JOBS["finetune_lora"](source, out_dir=tmp_path / "b", data=JSON(json_path=train), compile=True, accelerator="cpu", logger_name="csv")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not any((tmp_path / name).exists() for name in "abc")
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
