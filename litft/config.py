@@ -19,6 +19,7 @@ Quantize = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq"]
 STRATEGY_NAMES = ("auto", "ddp", "fsdp", "deepspeed")
 QUANTIZE_CHOICES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq")
 EXPORT_CHOICES = ("adapter", "merged", "both", "none")
+VISION_ENCODER_CHOICES = ("frozen", "trained")  # a vision-language model's image encoder (litft.model.vision)
 DEFAULT_GLOBAL_BATCH_SIZE = 32
 
 
@@ -110,8 +111,8 @@ class TrainArgs:
         fraction(self.beta2, "--train.beta2", "AdamW's decay rate of the squared gradients,")
         positive(self.max_norm, "--train.max_norm", "the largest gradient norm", nullable="for no clipping")
         positive(self.peak_tflops, "--train.peak_tflops", "one device's dense peak at the run's precision")
-        if self.vision_encoder not in ("frozen", "trained"):
-            raise LitftError(f"--train.vision_encoder {self.vision_encoder} is unknown; choose frozen or trained")
+        if self.vision_encoder not in VISION_ENCODER_CHOICES:
+            raise LitftError(f"--train.vision_encoder {self.vision_encoder} is unknown; choose {' or '.join(VISION_ENCODER_CHOICES)}")
 
 
 @dataclass

@@ -176,9 +176,9 @@ def reference(folder, dtype=torch.float32, device="cpu"):
     return total.detach().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def as_litft_builds_it(folder, dtype=torch.float32, device="cpu"):
-    """The model as the jobs build it: meta skeleton, litft's fill block by block (as FSDP fills), litft_segments attention,
-    grouped experts, the fused head where it is exact."""
+def as_litft_builds_it(folder, dtype=torch.float32, device="cpu", attention=None):
+    """The model as the jobs build it: meta skeleton, litft's fill block by block (as FSDP fills), litft_segments attention
+    (or ``attention``: a vision-language model's is transformers' SDPA), grouped experts, the fused head where it is exact."""
     from litft.model.attention import SEGMENTS
     from litft.config import TrainArgs
     from litft.objectives import next_token
@@ -192,7 +192,7 @@ def as_litft_builds_it(folder, dtype=torch.float32, device="cpu"):
     config = load_config(str(folder))
     check_architecture(config)
     model = skeleton(config, dtype)
-    model.set_attn_implementation(SEGMENTS)
+    model.set_attn_implementation(attention or SEGMENTS)
     use_grouped_experts(model)
     fill = Materializer(model, model, model_layout_weights(folder, config), 0)
     for block in reversed(transformer_blocks(model)):

@@ -187,7 +187,7 @@ def _write_model(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict
     generation = locate_checkpoint(source) / "generation_config.json"
     if generation.is_file():
         shutil.copy(generation, staging / generation.name)
-    save_processing(run_config, meta, staging)
+    save_processing(run_config, meta, staging, config)
 
 
 def model_from_checkpoint(path: Path, dtype: Optional[torch.dtype] = None):
@@ -228,11 +228,11 @@ def kept_frozen(config, meta: CheckpointMeta) -> bool:
     return sees_images(config) and meta.job != "pretrain"
 
 
-def save_processing(run_config: dict, meta: CheckpointMeta, staging: Path) -> None:
-    """The tokenizer beside an export; a vision-language model's whole processor (image processor and chat template too), so
-    that ``AutoProcessor`` loads the folder."""
+def save_processing(run_config: dict, meta: CheckpointMeta, staging: Path, config) -> None:
+    """The tokenizer beside an export; a vision-language model's (``config``'s) whole processor (image processor and chat
+    template too), so that ``AutoProcessor`` loads the folder."""
     source = resolve_model(run_config.get("tokenizer") or meta.model)
-    if sees_images(load_config(resolve_model(meta.model))):
+    if sees_images(config):
         load_processor(source).save_pretrained(staging)
     else:
         load_tokenizer(source).save_pretrained(staging)
@@ -338,11 +338,11 @@ def _write_adapter(trained: TrainedTensors, meta: CheckpointMeta, run_config: di
     saved = {ADAPTER_KEY.sub(r".\1.weight", k): (v.to(out_dtype) if out_dtype else v).contiguous() for k, v in tensors.items()}
     adapted = {k.removesuffix(".lora_A.default.weight").removeprefix(PEFT_PREFIX) for k in tensors if ".lora_A." in k}
     # By short name (q_proj...), except in a vision-language model, whose encoder has layers of the same short names: by full name.
-    vision = sees_images(load_config(resolve_model(meta.model)))
-    targets = sorted(adapted if vision else {name.rsplit(".", 1)[-1] for name in adapted})
+    config = load_config(resolve_model(meta.model))
+    targets = sorted(adapted if sees_images(config) else {name.rsplit(".", 1)[-1] for name in adapted})
     experts = None
     if any(".base_layer.lora_A." in k for k in tensors) or "experts" in targets:  # adapters on MoE experts' tensors (ParamWrapper)
-        resolved = expert_lora_config(load_config(resolve_model(meta.model)), LoraArgs(
+        resolved = expert_lora_config(config, LoraArgs(
             run_config["lora_r"], run_config["lora_alpha"], 0.0, run_config.get("lora_target_modules", "all-linear")))
         targets, experts = resolved.target_modules, resolved.target_parameters
     LoraConfig(
@@ -351,4 +351,4 @@ def _write_adapter(trained: TrainedTensors, meta: CheckpointMeta, run_config: di
         target_modules=sorted(targets), target_parameters=experts, task_type="CAUSAL_LM", bias="none", base_model_name_or_path=meta.model,
     ).save_pretrained(str(staging))
     save_file(saved, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
-    save_processing(run_config, meta, staging)
+    save_processing(run_config, meta, staging, config)

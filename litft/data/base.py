@@ -163,8 +163,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
     digest.update(str(getattr(tokenizer, "chat_template", "")).encode())
     digest.update(str((tokenizer.bos_token_id, tokenizer.eos_token, getattr(tokenizer, "add_bos_token", None))).encode())
     folder = Path(str(getattr(tokenizer, "name_or_path", "") or "-"))
-    for name in PROCESSOR_FILES:  # a vision-language model's image processor decides how many tokens an image becomes
-        if folder.is_dir() and (folder / name).is_file():
+    for name in PROCESSOR_FILES if folder.is_dir() else ():  # a VLM's image processor decides how many tokens an image becomes
+        if (folder / name).is_file():
             digest.update((folder / name).read_bytes())
     return digest.hexdigest()[:16]
 

@@ -296,9 +296,10 @@ class HF(InstructionData):
                 raise LitftError(f"dataset {self.path!r} has an images column, and image records are not streamed yet; set --data.streaming false")
             return streamed(self, tokenizer, seed)
         train, val = self.splits(streaming=False)
+        source = f"{train._fingerprint}:{val._fingerprint if val is not None else ''}"
         if IMAGES in train.column_names:  # image records: tokenized by the model's processor, as JSON's (litft.data.images)
-            return DataModule.load_or_tokenize(self, tokenizer, seed, source=f"{train._fingerprint}:{val._fingerprint if val is not None else ''}")
-        key = self.cache_key(tokenizer, seed, source=f"{train._fingerprint}:{val._fingerprint if val is not None else ''}")
+            return DataModule.load_or_tokenize(self, tokenizer, seed, source=source)
+        key = self.cache_key(tokenizer, seed, source=source)
         cache = litft_home() / "datasets" / f"hf-{key}"
         if not (cache / "dataset_dict.json").is_file():
             if val is None:

@@ -111,9 +111,6 @@ class PreferenceData(DataModule):
             responses.append(whole[len(before):])
         return before, responses[0], responses[1], True
 
-    def tokenize_images(self, tokenizer, train_records: List[dict], val_records: List[dict], origin: str, max_len: int) -> PreparedData:
-        return tokenize_image_pairs(tokenizer, train_records, val_records, origin, max_len)
-
     def encode(self, tokenizer, record: dict, index: int, where: str, max_len: int) -> Tuple[Optional[Sample], str]:
         """The pair as one sample (None when its prompt leaves no room for a response), and whether truncation cut it."""
         prompt_text, chosen_text, rejected_text, templated = self.rendered(tokenizer, record, where)
@@ -152,7 +149,7 @@ class PreferenceData(DataModule):
         train_records, val_records, origin = self.records(seed)
         max_len = self.effective_max_length(tokenizer)
         if any(carries_images(r) for r in train_records + val_records):
-            return self.tokenize_images(tokenizer, train_records, val_records, origin, max_len)
+            return tokenize_image_pairs(tokenizer, train_records, val_records, origin, max_len)
         train, cut, dropped = self.encode_all(tokenizer, train_records, origin, max_len)
         val, val_cut, val_dropped = self.encode_all(tokenizer, val_records, origin, max_len)
         notes = []

@@ -5,8 +5,8 @@ from typing import Callable, List, Optional, Tuple
 
 from litft.data.base import split_train_val
 from litft.data.hf import HF
-from litft.data.images import image_files, with_absolute_images
-from litft.data.sft import read_records
+from litft.data.images import with_absolute_images
+from litft.data.sft import images_named_in, read_records
 from litft.errors import LitftError
 
 
@@ -17,9 +17,7 @@ class RecordSource:
 
     def source_files(self):
         files = [Path(p) for p in (self.path, self.val_path) if p is not None and Path(p).is_file()]
-        if any('"images"' in p.read_text(encoding="utf-8", errors="replace") for p in files if p.suffix in (".json", ".jsonl")):
-            files += image_files([r for p in files for r in with_absolute_images(read_records(p), p.parent)])  # the images, too
-        return files
+        return files + images_named_in([p for p in files if p.suffix in (".json", ".jsonl")])
 
     def read(self, where: str) -> Tuple[List[dict], Optional[List[dict]]]:
         """The records of a JSON/JSONL file (no validation split), or of a dataset's training split and its validation split."""

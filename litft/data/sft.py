@@ -47,6 +47,12 @@ def read_records(path: Path) -> List[dict]:
     return records
 
 
+def images_named_in(json_files: List[Path]) -> List[Path]:
+    """The image files that JSON/JSONL record files name (a tokenized cache's key reads them too)."""
+    named = [p for p in json_files if '"images"' in p.read_text(encoding="utf-8", errors="replace")]
+    return image_files([r for p in named for r in with_absolute_images(read_records(p), p.parent)])
+
+
 class InstructionData(DataModule):
     """Shared tokenization of instruction records; subclasses say where records come from."""
 
@@ -202,9 +208,7 @@ class JSON(InstructionData):
 
     def source_files(self):
         files = [p for p in (self.json_path, self.val_path) if p is not None and p.is_file()]
-        if any('"images"' in p.read_text(encoding="utf-8", errors="replace") for p in files):  # the images the records name, too
-            files += image_files([r for p in files for r in with_absolute_images(read_records(p), p.parent)])
-        return files
+        return files + images_named_in(files)
 
     def val_path_name(self) -> Optional[str]:
         return str(self.val_path) if self.val_path is not None else None

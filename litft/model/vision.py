@@ -19,7 +19,6 @@ from litft.errors import LitftError
 # (Qwen-VL's merger); a projector anywhere else is neither encoder nor language model, and trains with the latter.
 ENCODER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "image_encoder")
 PROJECTOR_NAMES = ("merger", "projector", "connector")
-VISION_ENCODER_CHOICES = ("frozen", "trained")
 
 
 def sees_images(config) -> bool:
@@ -44,15 +43,6 @@ def _in_encoder(name: str) -> bool:
     parts = name.split(".")
     at = next((i for i, part in enumerate(parts) if part in ENCODER_NAMES), None)
     return at is not None and not any(word in part for part in parts[at + 1:] for word in PROJECTOR_NAMES)
-
-
-def encoder_modules(hf_model) -> List[str]:
-    """The names of the modules that make up the image encoder (its projector left out)."""
-    names = [name for name, _ in hf_model.named_modules() if name and _in_encoder(name)]
-    if not names:
-        raise LitftError(f"litft cannot find the image encoder of {type(hf_model).__name__} (none of {', '.join(ENCODER_NAMES)}); "
-                         "it cannot train this vision-language model yet")
-    return names
 
 
 def language_model_name(hf_model) -> str:

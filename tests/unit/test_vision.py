@@ -35,26 +35,14 @@ def vision_folders(tmp_path_factory):
 
 
 def as_litft_builds_it(folder):
-    """The model as the jobs build a vision-language model: meta skeleton, litft's fill block by block, transformers' SDPA,
-    the batch's image tensors from its processor at the step."""
-    from litft.config import TrainArgs
-    from litft.model.causal_lm import CausalLM
-    from litft.model.hub_layout import model_layout_weights
-    from litft.model.loading import load_config
+    """The model as the jobs build a vision-language model (tests/architectures.py's build, transformers' SDPA), the batch's
+    image tensors from its processor at the step."""
     from litft.data.images import load_processor
     from litft.model.vision import ImageInputs
-    from litft.model.weights import Materializer, skeleton, transformer_blocks
-    from litft.objectives import next_token
+    from tests.architectures import as_litft_builds_it as built
 
-    config = load_config(str(folder))
-    model = skeleton(config, torch.float32)
-    model.set_attn_implementation("sdpa")
-    fill = Materializer(model, model, model_layout_weights(folder, config), 0)
-    for block in reversed(transformer_blocks(model)):
-        fill(block)
-    fill(model)
-    lm = CausalLM(model, TrainArgs(), next_token()).train()
-    lm.images = ImageInputs(load_processor(str(folder)), model)
+    lm = built(folder, attention="sdpa")
+    lm.images = ImageInputs(load_processor(str(folder)), lm.hf_model)
     return lm
 
 
