@@ -188,9 +188,9 @@ def shape_image(colour: str, rng: random.Random):
     return image
 
 
-def write_shapes(folder: Path, count: int, seed: int, name: str = "train.jsonl", layouts=("messages", "prompt")) -> Path:
+def write_shapes(folder: Path, count: int, seed: int, name: str = "train.jsonl", layouts=("messages", "prompt"), text_only: int = 0) -> Path:
     """``count`` records asking for a shape's colour, alternating TRL's two vision layouts (and text before or after the image);
-    images as PNG files beside the JSONL, named relatively."""
+    images as PNG files beside the JSONL, named relatively. Then ``text_only`` records without an image (a mixed dataset)."""
     rng = random.Random(seed)
     (folder / "images").mkdir(parents=True, exist_ok=True)
     lines = []
@@ -205,6 +205,10 @@ def write_shapes(folder: Path, count: int, seed: int, name: str = "train.jsonl",
             lines.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], "images": [path]})
         else:
             lines.append({"prompt": [{"role": "user", "content": user}], "completion": [{"role": "assistant", "content": answer}], "images": [path]})
+    for i in range(text_only):
+        colour = rng.choice(sorted(COLOURS))
+        lines.append({"messages": [{"role": "user", "content": [{"type": "text", "text": f"Say the word {colour}."}]},
+                                   {"role": "assistant", "content": [{"type": "text", "text": colour}]}]})
     out = folder / name
     out.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return out

@@ -14,7 +14,7 @@ from litft.model.experts import counting_only
 from litft.model.recurrent import carries_state
 from litft.model.loss import fused_head
 from litft.model.offload import ActivationOffload
-from litft.model.vision import sees_images
+from litft.model.vision import has_pixels, sees_images
 from litft.model.weights import transformer_blocks
 
 
@@ -55,6 +55,7 @@ class CausalLM(torch.nn.Module):
         # attention) on padded rows; the image tensors of a batch come from ``images`` (litft.model.vision.ImageInputs).
         self.sees_images = sees_images(self.hf_model.config)
         self.images = None
+        self.stand_in = None  # the image encoder run on every rank where its weights are sharded (litft.model.vision.EncoderStandIn)
         self.offload_kind = ActivationOffload  # the estimate's trace counts instead of copying (CountedOffload)
         if train.activation_offload:
             blocks = transformer_blocks(self.hf_model)
@@ -101,8 +102,14 @@ class CausalLM(torch.nn.Module):
             extra = {key: value for key, value in extra.items() if not key.startswith("litft_")}
         offload = self.train_args.activation_offload and self.training and torch.is_grad_enabled()
         self._offload = offload = self.offload_kind(self.block_count) if offload else None
-        with packed_rows_known() if extra else contextlib.nullcontext(), offload.hooks() if offload else contextlib.nullcontext():
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra, **(vision or {}))
+        if self.stand_in is not None:
+            self.stand_in.pending = not has_pixels(vision)
+        try:
+            with packed_rows_known() if extra else contextlib.nullcontext(), offload.hooks() if offload else contextlib.nullcontext():
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra, **(vision or {}))
+        finally:
+            if self.stand_in is not None:
+                self.stand_in.pending = False
         if offload is not None:
             self.offloaded_bytes, self._offload = offload.host_bytes, None
         aux = getattr(out, "aux_loss", None)

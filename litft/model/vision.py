@@ -85,7 +85,7 @@ def lora_targets(hf_model, with_encoder: bool) -> List[str]:
 
 def describe(hf_model, encoder: str, lora: bool) -> str:
     """The first screen's line on what of a vision-language model learns."""
-    encoder_params = sum(p.numel() for n, p in hf_model.named_parameters() if _in_encoder(n))
+    encoder_params = sum(getattr(p, "ds_numel", p.numel()) for n, p in hf_model.named_parameters() if _in_encoder(n))  # ZeRO-3: whole counts
     decoder = language_model_name(hf_model)
     if lora:
         where = "the language model's and the image encoder's linear layers" if encoder == "trained" else "the language model's linear layers"
@@ -132,6 +132,53 @@ class ImageInputs:
                 value = torch.nn.functional.pad(value, (0, max(0, width - value.shape[1])))[:, :width]
             out[key] = value.to(batch["input_ids"].device, non_blocking=True)
         return out
+
+
+class EncoderStandIn:
+    """Where the image encoder's weights are sharded (FSDP, ZeRO-3), every rank must run it in every forward: its units
+    gather their weights collectively, so a rank whose micro-batch has no image (a text record of a mixed dataset, a
+    text-only rollout prompt) would leave the others waiting on it, or pair their gathers with the wrong ones. Such a rank
+    runs the encoder on a small grey stand-in image, its output times zero added to the language model's input embeddings:
+    the loss and every gradient are unchanged, and each rank makes the same collectives (LLaMA-Factory feeds a blank image
+    for the same reason under ZeRO-3). ``pending`` is set by the caller for one forward."""
+
+    def __init__(self, processor, hf_model):
+        self.owner = next(m for m in (getattr(hf_model, "model", None), hf_model) if hasattr(m, "get_image_features"))
+        from PIL import Image
+
+        takes = set(inspect.signature(self.owner.get_image_features).parameters)
+        picture = Image.new("RGB", (32, 32), (128, 128, 128))
+        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False, add_generation_prompt=False)
+        made = processor_call(processor, [text], [[picture]])
+        self.inputs = {key: value for key, value in made.items() if key in takes and isinstance(value, torch.Tensor)}
+        self.pending = False
+        hf_model.get_decoder().register_forward_pre_hook(self.before_language_model, with_kwargs=True)
+
+    def before_language_model(self, module, args, kwargs):
+        if not self.pending:
+            return None
+        self.pending = False
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            raise LitftError(f"{type(self.owner).__name__} calls its language model without inputs_embeds, where litft adds the image "
+                             "encoder's stand-in output; train it with ddp or zero2 (the encoder unsharded)")
+        encoder_dtype = next(p.dtype for p in self.owner.parameters() if p.is_floating_point())
+        inputs = {key: value.to(embeds.device, encoder_dtype if value.is_floating_point() else value.dtype) for key, value in self.inputs.items()}
+        touched = sum(t.float().sum() for t in float_tensors(self.owner.get_image_features(**inputs)))
+        kwargs["inputs_embeds"] = embeds + (touched * 0).to(embeds.dtype)
+        return args, kwargs
+
+
+def float_tensors(value):
+    """Every floating tensor in a model output, tuple or list (an encoder's features, pooled outputs, deep-stack layers)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else []
+    return [t for item in items for t in float_tensors(item)]
+
+
+def has_pixels(vision) -> bool:
+    return bool(vision) and any("pixel" in key and value.numel() for key, value in vision.items())
 
 
 def check_images_fit(config, has_images: bool) -> None:

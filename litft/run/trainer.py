@@ -36,7 +36,7 @@ from litft.model.flops import StepFlops
 from litft.model.fp8 import describe as describe_fp8
 from litft.model.generation import Generation
 from litft.model.loading import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
-from litft.model.vision import ImageInputs, check_images_fit, sees_images
+from litft.model.vision import EncoderStandIn, ImageInputs, check_images_fit, sees_images
 from litft.model.vision import describe as describe_vision
 from litft.objectives import build_objective
 from litft.parallel.mesh import Mesh
@@ -196,7 +196,10 @@ class Trainer:
         if plan.fp8 is not None:
             fabric.print(describe_fp8(plan.fp8, self.lm.model.fp8_layers, self.lm.hf_model))
         if self.sees_images:
-            self.lm.images = ImageInputs(load_processor(resolve_model(spec.tokenizer or spec.model)), self.lm.hf_model)
+            processor = load_processor(resolve_model(spec.tokenizer or spec.model))
+            self.lm.images = ImageInputs(processor, self.lm.hf_model)
+            if self.strategy.gathers_weights and fabric.world_size > 1:  # every rank runs the sharded encoder in every forward
+                self.lm.stand_in = EncoderStandIn(processor, self.lm.hf_model)
         if self.lm.sees_images:
             fabric.print(describe_vision(self.lm.hf_model, spec.train.vision_encoder, spec.lora is not None))
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)

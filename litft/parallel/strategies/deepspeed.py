@@ -25,6 +25,7 @@ from litft.parallel.strategies.base import Fill, TrainingStrategy, local_bytes, 
 from litft.parallel.strategies.deepspeed_config import deepspeed_config
 from litft.parallel.strategies.deepspeed_state import RowShards, empty_state, restore_training_state, trained_parameters, training_state, unsharded_entries
 from litft.model.recurrent import text_config
+from litft.model.vision import beside_language_model
 from litft.model.weights import CheckpointWeights, Materializer
 
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
@@ -237,6 +238,12 @@ class DeepSpeed(TrainingStrategy):
         sized = deepspeed_config(self.layout.deepspeed, self.train, self.layout, self.precision, text_config(lm.hf_model.config).hidden_size)
         fabric.strategy.config["zero_optimization"].update(sized["zero_optimization"])
         fill(lm)
+        if self.stage == 3 and lm.sees_images:
+            # The image encoder and projector gathered whole once a forward (ZeRO-3 leaves), not module by module: their
+            # forwards can loop over the images (PaddleOCR-VL's projector does), and ranks whose micro-batches hold different
+            # numbers of images would otherwise make different numbers of gathers.
+            for name in beside_language_model(lm.hf_model):
+                lm.hf_model.get_submodule(name)._z3_leaf = True
         made = lm.configure_optimizers()
         module, optimizer = fabric.setup(lm, made["optimizer"])
         return module, optimizer, made["lr_scheduler"]
