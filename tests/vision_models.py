@@ -214,6 +214,20 @@ def write_shapes(folder: Path, count: int, seed: int, name: str = "train.jsonl",
     return out
 
 
+def write_shape_prompts(folder: Path, count: int, seed: int, name: str = "prompts.jsonl", text_only: int = 0) -> Path:
+    """RL prompts about the shapes in TRL's layout (``prompt`` messages with an image part, ``images``, an ``answer``
+    column for the rewards), then ``text_only`` text prompts without an image."""
+    shapes = write_shapes(folder, count, seed, f"shapes-{name}", text_only=text_only)
+    rows = []
+    for record in map(json.loads, shapes.read_text().splitlines()):
+        prompt = record["messages"][:-1] if "messages" in record else record["prompt"]
+        answer = (record["messages"][-1] if "messages" in record else record["completion"][0])["content"][0]["text"]
+        rows.append({"prompt": prompt, "answer": answer, **({"images": record["images"]} if "images" in record else {})})
+    out = folder / name
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return out
+
+
 def reference_loss(folder: Path, records: List[dict], base: Path, model=None):
     """transformers' own summed loss over the records' completion tokens, one record at a time, the number of those tokens,
     and the gradients: the model from ``from_pretrained`` (eager attention; or ``model``), the processor on the rendered

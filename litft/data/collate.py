@@ -50,6 +50,8 @@ def collate(samples: List[Sample], pad_id: int, padding_free: bool = False) -> D
         texts = [s.get("texts") or [s["text"]] for s in samples]
         batch["texts"] = [text for row in texts for text in row]
         batch["images"] = [s["images"] for s, row in zip(samples, texts) for _ in row]
+        if "text_tokens" in samples[0]:  # the text is the prompt alone (RL's rollouts): how many of the row's tokens it gives
+            batch["text_tokens"] = [int(s["text_tokens"]) for s in samples]
     if not padding_free or images:
         batch["real"] = real  # the tokens that are not padding, for counts that must not see it (litft.model.experts)
     if "rejected_start" in samples[0]:  # preference pairs (litft.data.preference): two sequences each, chosen then rejected

@@ -47,13 +47,14 @@ def load_processor(source: str):
     return processor
 
 
-def processor_call(processor, texts: Sequence[str], images: Sequence[Sequence]) -> dict:
-    """The processor on rendered texts (templates write their own special tokens) and each text's images; rows padded right."""
+def processor_call(processor, texts: Sequence[str], images: Sequence[Sequence], padding_side: str = "right") -> dict:
+    """The processor on rendered texts (templates write their own special tokens) and each text's images; rows padded right
+    (training) or left (generation's prompts)."""
     kwargs = dict(text=list(texts), return_tensors="pt", add_special_tokens=False)
     if any(len(row) for row in images):
         kwargs["images"] = [list(row) for row in images]
     if len(texts) > 1:
-        kwargs.update(padding=True, padding_side="right")
+        kwargs.update(padding=True, padding_side=padding_side)
     return processor(**kwargs)
 
 
@@ -190,6 +191,21 @@ class ImageRecords:
             raise LitftError(f"{where} has {wanted} image part(s) in its turns and {len(entries)} image(s) in 'images'; "
                              "give one image per {'type': 'image'} part, in order")
         return [image_bytes(entry, where) for entry in entries]
+
+    def prompt(self, record: dict, index: int, where: str, max_len: int, system: Optional[str] = None) -> Optional[Sample]:
+        """An RL prompt about images (TRL's layout: ``prompt`` messages with the image parts, and ``images``), rendered with the
+        generation prompt, as a sample; None where it leaves no room for a completion within ``max_len``."""
+        prompt = record.get("prompt")
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) and "images" not in record else prompt  # a text prompt beside image ones
+        if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise LitftError(f"{where} carries images, and its 'prompt' is not a list of {{'role', 'content'}} messages with the image parts")
+        messages = ([{"role": "system", "content": system}] if system else []) + prompt
+        stored = self.images_of(record, messages, where)
+        text = self.render(messages, prompt=True)
+        ids = self.tokens(text, [open_image(data) for data in stored])
+        if len(ids) >= max_len:
+            return None
+        return {"input_ids": ids, "id": torch.tensor(index), "text": text, "images": stored}
 
     def encode(self, record: dict, index: int, where: str, max_len: int) -> Optional[Sample]:
         """The record as a sample, or None where it is longer than ``max_len`` (an image's tokens are never cut)."""

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from litft.data.base import DataModule, PreparedData, Prompted
+from litft.data.images import ImageRecords, carries_images
 from litft.data.preference import as_messages, is_messages
 from litft.data.samples import Sample
 from litft.data.records import RecordSource
@@ -50,14 +51,25 @@ class PromptData(DataModule):
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
         return (alpaca_prompt(prompt, "") if self.prompt_style == "alpaca" else prompt), False
 
-    def encode(self, tokenizer, record: dict, index: int, where: str, max_len: int) -> Optional[Sample]:
-        text, templated = self.render(tokenizer, record, where)
-        bos = [] if templated or tokenizer.bos_token_id is None or not getattr(tokenizer, "add_bos_token", False) else [tokenizer.bos_token_id]
-        ids = bos + tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= max_len:
-            return None  # no room for a completion
-        columns = {key: json.dumps(value) for key, value in record.items() if key != "prompt"}
-        sample = {"input_ids": torch.tensor(ids), "id": torch.tensor(index), "columns": columns}
+    def encode(self, tokenizer, record: dict, index: int, where: str, max_len: int, images: Optional[ImageRecords] = None) -> Optional[Sample]:
+        """The prompt as a sample, or None where it leaves no room for a completion; ``images``: a vision dataset's processor,
+        which renders every record (image parts or none) with its chat template and keeps the text and image files."""
+        if images is not None:
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), list):  # turns (with parts) are checked as rendered
+                check_prompt(record, where)
+            sample = images.prompt(record, index, where, max_len, getattr(self, "system_prompt", None))
+            if sample is None:
+                return None
+        else:
+            text, templated = self.render(tokenizer, record, where)
+            bos = [] if templated or tokenizer.bos_token_id is None or not getattr(tokenizer, "add_bos_token", False) else [tokenizer.bos_token_id]
+            ids = bos + tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) >= max_len:
+                return None  # no room for a completion
+            sample = {"input_ids": torch.tensor(ids), "id": torch.tensor(index)}
+        # The other columns reach the reward functions by name; images as their paths (a decoded picture has no JSON form).
+        sample["columns"] = {key: json.dumps(value) for key, value in record.items()
+                             if key != "prompt" and not (key == "images" and not all(isinstance(e, str) for e in value or []))}
         if isinstance(record["prompt"], list):  # a conversation: the rewards see it, and the completion, as messages (as TRL gives them)
             sample["messages"] = json.dumps(record["prompt"])
         return sample
@@ -66,14 +78,15 @@ class PromptData(DataModule):
         train_records, val_records, origin = self.records(seed)
         max_len = self.effective_max_length(tokenizer)
         notes, prepared = [], []
+        images = ImageRecords(tokenizer, mask_prompt=True) if any(carries_images(r) for r in train_records + val_records) else None
         for name, records in (("train", train_records), ("val", val_records)):
-            samples = [self.encode(tokenizer, r, i, f"record {i} of {origin}", max_len) for i, r in enumerate(records)]
+            samples = [self.encode(tokenizer, r, i, f"record {i} of {origin}", max_len, images) for i, r in enumerate(records)]
             dropped = sum(s is None for s in samples)
             if dropped:
                 notes.append(f"{dropped} {name} prompts of {origin} are {max_len} tokens or longer, leaving no room for a completion: dropped")
             prepared.append([s for s in samples if s is not None])
         scoring = []
-        for sample in prepared[1]:
+        for sample in prepared[1] if images is None else ():  # scoring generates from text prompts
             answer = sample["columns"].get("answer")
             if answer is not None:
                 scoring.append(Prompted(prompt_ids=sample["input_ids"].tolist(), reference=str(json.loads(answer)).strip()))

@@ -142,7 +142,7 @@ def plan_memory(flags: dict) -> dict:
                             itemsize, flags["seq_len"])
     buffers = buffers_of(states, tensors, flags["quantize"], itemsize, experts if layout.expert_parallel > 1 else None)
     engine = rollout_engine(objective.rl, objective.engine, "cpu" if on_cpu else "cuda", installed_packages(), flags["quantize"],
-                            expert_count(text_config(config)) > 1)
+                            expert_count(text_config(config)) > 1 or sees_images(config))
     generation = sampling_row(engine, flags, objective, built, config, tensors, states, strategy, layout, itemsize, capacity)
     report = {
         "model": flags["model"], "job": flags["job"], **strategy.facts(layout, precision), "world_size": layout.world_size,

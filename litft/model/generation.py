@@ -26,8 +26,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from litft.model.compiling import eager_blocks
+from litft.model.vision import has_pixels
 
 MASK32 = 0xFFFFFFFF
+Visual = Tuple[str, List[bytes]]  # a prompt that sees images: its rendered text and its image files' bytes (litft.data.images)
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +139,8 @@ class Generation:
 
     def __init__(self, fabric, module, tokenizer, place, weights=None):
         self.fabric, self.tokenizer, self.place = fabric, tokenizer, place
-        self.model = module.module.model if hasattr(module, "module") else module.model
+        self.lm = module.module if hasattr(module, "module") else module
+        self.model = self.lm.model
         self.stops = stop_tokens(self.model, tokenizer)
         self.weights = weights or contextlib.nullcontext  # the strategy's weights for generation, held for a whole call
 
@@ -168,12 +171,25 @@ class Generation:
         return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, repetition_penalty=1.0,
                                 eos_token_id=self.stops, pad_token_id=self.tokenizer.pad_token_id)
 
-    def call(self, prompts: List[List[int]], max_new_tokens: int, sampler: Optional[Sampler] = None) -> List[Completion]:
-        """One generate call on left-padded ``prompts`` (inside ``generating``): each row's completion."""
+    def call(self, prompts: List[List[int]], max_new_tokens: int, sampler: Optional[Sampler] = None,
+             visuals: Optional[List[Visual]] = None) -> List[Completion]:
+        """One generate call on left-padded ``prompts`` (inside ``generating``): each row's completion. ``visuals``: each
+        prompt's rendered text and image files, for a model that sees images (litft.model.vision.ImageInputs)."""
         device = self.fabric.device
         ids, mask = left_padded(prompts, self.tokenizer.pad_token_id)
-        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=self.config(max_new_tokens),
-                                  logits_processor=[sampler] if sampler is not None else None, synced_gpus=self.fabric.world_size > 1)
+        vision = {}
+        if visuals is not None:
+            vision = self.lm.images.prompts([text for text, _ in visuals], [files for _, files in visuals], ids, mask)
+            vision = {key: value.to(device) for key, value in vision.items()}
+        if self.lm.stand_in is not None and not has_pixels(vision):  # a sharded image encoder runs on every rank (litft.model.vision)
+            self.lm.stand_in.before_generate(self.model)
+        try:
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=self.config(max_new_tokens),
+                                      logits_processor=[sampler] if sampler is not None else None, synced_gpus=self.fabric.world_size > 1,
+                                      **vision)
+        finally:
+            if self.lm.stand_in is not None:
+                self.lm.stand_in.pending = False
         rows = out[:, ids.shape[1]:].cpu()
         logps = torch.stack(sampler.logps, 1).float().cpu() if sampler is not None and sampler.logps else None
         completions = []
@@ -183,21 +199,24 @@ class Generation:
             completions.append(Completion(tokens, end is None, None if logps is None else logps[r, : len(tokens)].tolist()))
         return completions
 
-    def greedy(self, prompts: List[List[int]], max_new_tokens: int, per_call: int) -> List[Optional[Completion]]:
+    def greedy(self, prompts: List[List[int]], max_new_tokens: int, per_call: int,
+               visuals: Optional[List[Visual]] = None) -> List[Optional[Completion]]:
         """The greedy completion of each prompt this rank was dealt (None for the others'), every rank calling alike."""
         out: List[Optional[Completion]] = [None] * len(prompts)
         with self.generating():
             for run in self.deal(len(prompts), per_call):
-                answers = self.call([prompts[i] for i in run] or prompts[:1], max_new_tokens)
+                run_visuals = None if visuals is None else [visuals[i] for i in run] or visuals[:1]
+                answers = self.call([prompts[i] for i in run] or prompts[:1], max_new_tokens, visuals=run_visuals)
                 for i, answer in zip(run, answers):
                     out[i] = answer
         return out
 
     def sample(self, prompts: List[List[int]], count: int, seeds: List[int], max_new_tokens: int, temperature: float,
-               top_p: float) -> Tuple[List[List[Completion]], float]:
+               top_p: float, visuals: Optional[List[Visual]] = None) -> Tuple[List[List[Completion]], float]:
         """``count`` completions of each prompt, sampled together in one call, and their summed entropy; ``seeds``: one per
         prompt, from which alone its completions are drawn (inside ``generating``)."""
         rows = [seed ^ ((j * 0x9E3779B97F4A7C15) & (2**64 - 1)) for seed in seeds for j in range(count)]  # a seed per completion
         sampler = Sampler(rows, temperature, top_p, self.stops, self.fabric.device)
-        pieces = self.call([p for p in prompts for _ in range(count)], max_new_tokens, sampler)
+        repeated = None if visuals is None else [v for v in visuals for _ in range(count)]
+        pieces = self.call([p for p in prompts for _ in range(count)], max_new_tokens, sampler, repeated)
         return [pieces[k * count : (k + 1) * count] for k in range(len(prompts))], float(sampler.entropy.sum())

@@ -119,19 +119,39 @@ class ImageInputs:
         with self.lock:
             made = processor_call(self.processor, batch["texts"], images)
         ids, width = made["input_ids"], batch["input_ids"].shape[1]
+        # A row's text covers its tokens but its padding, or only its prompt (an RL rollout: the completion is the model's own
+        # tokens, which its decoded text need not give back); the per-token inputs of those further tokens are 0, as for text.
+        covered = batch.get("text_tokens") or [width] * len(ids)
         for row, (mine, theirs) in enumerate(zip(batch["input_ids"], ids)):
-            n = int(batch["real"][row].sum()) if "real" in batch else width
+            n = min(int(batch["real"][row].sum()) if "real" in batch else width, covered[row])
             if theirs.shape[0] < n or not torch.equal(theirs[:n].to(mine.device), mine[:n]):
-                raise LitftError("the processor now tokenizes a sample differently from when the data was prepared (a changed processor or "
-                                 "tokenizer?); remove the tokenized cache in $LITFT_HOME/datasets and run again")
+                raise LitftError(CHANGED_PROCESSOR)
+        return self.kept(made, width, batch["input_ids"].device)
+
+    def prompts(self, texts: List[str], images: List[List[bytes]], ids: torch.Tensor, mask: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The image tensors and per-token inputs of a generate call's left-padded prompts (``ids``, ``mask``)."""
+        pictures = [[open_image(data, f"an image of prompt {r}") for data in row] for r, row in enumerate(images)]
+        with self.lock:
+            made = processor_call(self.processor, texts, pictures, padding_side="left")
+        kept = mask.bool()
+        if made["input_ids"].shape != ids.shape or not torch.equal(made["input_ids"][kept], ids[kept]):
+            raise LitftError(CHANGED_PROCESSOR)
+        return self.kept(made, ids.shape[1], ids.device)
+
+    def kept(self, made: dict, width: int, device) -> Dict[str, torch.Tensor]:
+        """What of the processor's output the model's forward takes, per-token values at the batch's own width."""
         out = {}
         for key, value in made.items():
             if key not in self.takes or not isinstance(value, torch.Tensor):
                 continue
-            if value.dim() >= 2 and value.shape[:2] == ids.shape:  # one value per token: the batch's own width
+            if value.dim() >= 2 and value.shape[:2] == made["input_ids"].shape:  # one value per token
                 value = torch.nn.functional.pad(value, (0, max(0, width - value.shape[1])))[:, :width]
-            out[key] = value.to(batch["input_ids"].device, non_blocking=True)
+            out[key] = value.to(device, non_blocking=True)
         return out
+
+
+CHANGED_PROCESSOR = ("the processor now tokenizes a sample differently from when the data was prepared (a changed processor or tokenizer?); "
+                     "remove the tokenized cache in $LITFT_HOME/datasets and run again")
 
 
 class EncoderStandIn:
@@ -162,11 +182,24 @@ class EncoderStandIn:
         if embeds is None:
             raise LitftError(f"{type(self.owner).__name__} calls its language model without inputs_embeds, where litft adds the image "
                              "encoder's stand-in output; train it with ddp or zero2 (the encoder unsharded)")
-        encoder_dtype = next(p.dtype for p in self.owner.parameters() if p.is_floating_point())
-        inputs = {key: value.to(embeds.device, encoder_dtype if value.is_floating_point() else value.dtype) for key, value in self.inputs.items()}
-        touched = sum(t.float().sum() for t in float_tensors(self.owner.get_image_features(**inputs)))
-        kwargs["inputs_embeds"] = embeds + (touched * 0).to(embeds.dtype)
+        kwargs["inputs_embeds"] = embeds + (self.run(embeds.device) * 0).to(embeds.dtype)
         return args, kwargs
+
+    def run(self, device) -> torch.Tensor:
+        """The encoder on the stand-in image: the sum of its outputs."""
+        encoder_dtype = next(p.dtype for p in self.owner.parameters() if p.is_floating_point())
+        inputs = {key: value.to(device, encoder_dtype if value.is_floating_point() else value.dtype) for key, value in self.inputs.items()}
+        return sum(t.float().sum() for t in float_tensors(self.owner.get_image_features(**inputs)))
+
+    def before_generate(self, model) -> None:
+        """A generate call without images: the encoder run where transformers runs it on pictures, before the model's forward
+        where the model takes precomputed image features (transformers 5), else inside it (``pending``)."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if "mm_encoder_outputs" in inspect.signature(base.forward).parameters:
+            with torch.no_grad():
+                self.run(next(base.parameters()).device)
+        else:
+            self.pending = True
 
 
 def float_tensors(value):

@@ -6,9 +6,9 @@ against its own: ``sampler_logprob_gap``), takes the trained weights after each 
 its device memory back between rollouts (``sleep`` / ``wake``). An engine that shares the trained module needs neither.
 """
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
-from litft.model.generation import Completion, Generation
+from litft.model.generation import Completion, Generation, Visual
 
 
 class Engine:
@@ -22,9 +22,11 @@ class Engine:
         """A context held around one cycle's ``sample`` calls (the trained weights gathered once for all of them)."""
         raise NotImplementedError
 
-    def sample(self, prompts: List[List[int]], count: int, seeds: List[int]) -> Tuple[List[List[Completion]], float]:
+    def sample(self, prompts: List[List[int]], count: int, seeds: List[int],
+               visuals: Optional[List[Visual]] = None) -> Tuple[List[List[Completion]], float]:
         """``count`` completions of each prompt (tokens, whether cut, per-token log-probs at the sampling temperature) and
-        their summed entropy; ``seeds``: one per prompt, from which alone its completions are drawn."""
+        their summed entropy; ``seeds``: one per prompt, from which alone its completions are drawn; ``visuals``: each
+        prompt's text and images, where the model sees images."""
         raise NotImplementedError
 
     def sync(self, weights, version: int) -> None:
@@ -52,5 +54,6 @@ class TransformersEngine(Engine):
     def rollouts(self):
         return self.generation.generating()
 
-    def sample(self, prompts: List[List[int]], count: int, seeds: List[int]) -> Tuple[List[List[Completion]], float]:
-        return self.generation.sample(prompts, count, seeds, self.max_new_tokens, self.temperature, self.top_p)
+    def sample(self, prompts: List[List[int]], count: int, seeds: List[int],
+               visuals: Optional[List[Visual]] = None) -> Tuple[List[List[Completion]], float]:
+        return self.generation.sample(prompts, count, seeds, self.max_new_tokens, self.temperature, self.top_p, visuals)

@@ -157,7 +157,7 @@ class RolloutBatches:
             for chunk in chunks:
                 prompts = [self.prompts[index]["input_ids"].tolist() for index in chunk]
                 seeds = [rollout_seed(self.seed, epoch, cycle, index) for index in chunk]
-                sampled, chunk_entropy = self.engine.sample(prompts, self.args.group_size, seeds)
+                sampled, chunk_entropy = self.engine.sample(prompts, self.args.group_size, seeds, visuals_of(self.prompts, chunk))
                 entropy += chunk_entropy
                 groups += [{"completions": [c.tokens for c in group], "cuts": [c.cut for c in group],
                             "logprobs": [c.logprobs for c in group]} for group in sampled]
@@ -198,6 +198,8 @@ class RolloutBatches:
                 ids = torch.cat([prompt, torch.tensor(completion, dtype=torch.long)])
                 labels = torch.cat([torch.full_like(prompt, IGNORE_INDEX), torch.tensor(completion, dtype=torch.long)])
                 samples.append({"input_ids": ids, "labels": labels, "id": torch.tensor(index * args.group_size + j)})
+                if "images" in self.prompts[index]:  # the prompt's images reach the forward; its text gives the prompt's tokens alone
+                    samples[-1].update(text=self.prompts[index]["text"], images=self.prompts[index]["images"], text_tokens=len(prompt))
                 per_sample.append(float(advantages[g, j]))
                 engine_logps.append(torch.tensor(group["logprobs"][j], dtype=torch.float32))
         micro = []
@@ -288,6 +290,11 @@ class RolloutBatches:
             (folder / f"step-{first_step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ordered))
 
 
+def visuals_of(prompts, indices) -> Optional[list]:
+    """The rendered text and image files of each of ``prompts[indices]``, where the prompts see images (else None)."""
+    return [(prompts[i]["text"], prompts[i]["images"]) for i in indices] if prompts and "images" in prompts[0] else None
+
+
 def with_old_logp(groups: List[dict], micro: List[dict]) -> List[dict]:
     """Each group with its completions' sampler log-probs, split back from the micro-batches (targets in sample order)."""
     flat = torch.cat([b["old_logp"] for b in micro]) if micro else torch.zeros(0)
@@ -307,7 +314,8 @@ def held_out_reward(trainer, objective) -> Optional[Dict[str, float]]:
     if not data.val:
         return None
     prompts = [sample["input_ids"].tolist() for sample in data.val]
-    answers = trainer.generation.greedy(prompts, objective.args.max_new_tokens, trainer.spec.train.micro_batch_size)
+    answers = trainer.generation.greedy(prompts, objective.args.max_new_tokens, trainer.spec.train.micro_batch_size,
+                                        visuals_of(data.val, range(len(data.val))))
     scored = [(data.val[i], [answer.tokens]) for i, answer in enumerate(answers) if answer is not None]
     by_function, total = judge(trainer.tokenizer, objective, scored)
     sums = [sum(total), float(len(total))]

@@ -108,8 +108,10 @@ class VLLMEngine(Engine):
 
         return contextlib.nullcontext()
 
-    def sample(self, prompts: List[List[int]], count: int, seeds: List[int]) -> Tuple[List[List[Completion]], float]:
+    def sample(self, prompts: List[List[int]], count: int, seeds: List[int], visuals=None) -> Tuple[List[List[Completion]], float]:
         from vllm import SamplingParams
+
+        assert visuals is None, "the run plan refuses vLLM for vision-language models"
 
         self.wake()
         requests, params = [], []

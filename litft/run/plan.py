@@ -204,9 +204,9 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal("vision-memory", lambda f: f.sees_images and (f.activation_offload or f.tiled_mlp), lambda f: (
         "--train.activation_offload and --train.tiled_mlp are not wired for vision-language models yet; drop them"),
             {"sees_images": True, "tiled_mlp": True}),
-    Refusal("vision-objective", lambda f: f.sees_images and f.rl, lambda f: (
-        f"--objective {f.objective} does not train vision-language models yet (sft and the preference objectives do)"),
-            {"sees_images": True, "objective": "grpo", "data_kind": "prompts"}),
+    Refusal("vision-vllm", lambda f: f.sees_images and f.rl and f.engine == "vllm", lambda f: (
+        f"--objective.engine vllm does not sample from vision-language models ({f.model_type}) in litft yet; use --objective.engine "
+        "transformers"), {"sees_images": True, "objective": "grpo", "data_kind": "prompts", "engine": "vllm", "installed": frozenset({"vllm"})}),
     Refusal("packing-state", lambda f: f.packing and f.carries_state and not f.boundary_kernels, lambda f: (
         f"--data.packing puts several samples in one row, and {f.model_type}'s state-carrying layers would carry one sample's state "
         "into the next; drop --data.packing (litft trains these models a sample per padded row unless their kernels take "
@@ -301,7 +301,7 @@ class RunPlan:
         liger = facts.kernels == "liger" or (facts.kernels == "auto" and "liger_kernel" in facts.installed and facts.accelerator == "cuda")
         blockers = compile_blockers(facts)
         compiling = choose_compile(facts.compile, facts.accelerator, blockers[0][0] if blockers else None, facts.fp8)
-        engine = rollout_engine(facts.rl, facts.engine, facts.accelerator, facts.installed, facts.quantize, facts.experts)
+        engine = rollout_engine(facts.rl, facts.engine, facts.accelerator, facts.installed, facts.quantize, facts.experts or facts.sees_images)
         return cls(facts.accelerator, facts.precision, param_dtype(facts.precision), compute_dtype(facts.precision), facts.strategy,
                    attention, rows, facts.boundary_kernels if rows == PACKED_WITH_BOUNDARIES else (), compiling, liger, facts.kernels,
                    facts.fp8, engine, facts.carries_state, facts.lora_dropout if facts.lora else None, facts.activation_offload,
@@ -338,13 +338,14 @@ class RunPlan:
         return out
 
 
-def rollout_engine(rl: bool, asked: str, accelerator: str, installed: FrozenSet[str], quantize: Optional[str], experts: bool) -> Optional[str]:
-    """What samples RL's rollouts: the engine asked for; auto takes vLLM on a GPU where it is installed and can serve the model."""
+def rollout_engine(rl: bool, asked: str, accelerator: str, installed: FrozenSet[str], quantize: Optional[str], unserved: bool) -> Optional[str]:
+    """What samples RL's rollouts: the engine asked for; auto takes vLLM on a GPU where it is installed and can serve the model
+    (``unserved``: grouped experts or a vision-language model, which litft does not hand to vLLM yet)."""
     if not rl:
         return None
     if asked != "auto":
         return asked
-    return "vllm" if "vllm" in installed and accelerator == "cuda" and quantize is None and not experts else "transformers"
+    return "vllm" if "vllm" in installed and accelerator == "cuda" and quantize is None and not unserved else "transformers"
 
 
 def describe_lora_dropout(p: float) -> str:

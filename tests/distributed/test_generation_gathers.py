@@ -33,8 +33,8 @@ from torch.distributed.fsdp import FSDPModule
 from litft.model.generation import Generation
 call, generating = Generation.call, Generation.generating
 steps = [0]
-def counted_call(self, prompts, max_new_tokens, sampler=None):
-    out = call(self, prompts, max_new_tokens, sampler)
+def counted_call(self, prompts, max_new_tokens, sampler=None, visuals=None):
+    out = call(self, prompts, max_new_tokens, sampler, visuals)
     steps[0] += len(sampler.logps) if sampler is not None else max_new_tokens
     return out
 @contextlib.contextmanager

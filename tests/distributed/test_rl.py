@@ -17,11 +17,13 @@ from tests.conftest import read_metrics, step_losses
 
 COMMON = [
     "--objective", "grpo", "--objective.group_size", "4", "--objective.max_new_tokens", "8", "--objective.rewards", "format",
-    "--objective.format_pattern", ".*[aeiou].*", "--objective.iterations", "2", "--objective.temperature", "0.7", "--data.num_train", "16", "--data.num_val", "4",
+    "--objective.format_pattern", ".*[aeiou].*", "--objective.iterations", "2", "--objective.temperature", "0.7",
     "--train.global_batch_size", "4", "--train.max_steps", "4", "--train.learning_rate", "3e-3", "--train.warmup_steps", "1",
     "--eval.interval", "4", "--eval.initial_validation", "false", "--precision", "32-true", "--accelerator", "cpu", "--logger_name", "csv",
 ]
-JOBS = {"lora": ["finetune_lora", "--lora_r", "4", "--lora_dropout", "0"], "full": ["finetune_full"], "moe": ["finetune_full", "litft-tiny-moe"]}
+TINY = ["--data.num_train", "16", "--data.num_val", "4"]
+JOBS = {"lora": ["finetune_lora", "--lora_r", "4", "--lora_dropout", "0", *TINY], "full": ["finetune_full", *TINY],
+        "moe": ["finetune_full", "litft-tiny-moe", *TINY]}
 TWO = ["--devices", "2", "--train.micro_batch_size", "4"]  # each rank: 2 prompts, 8 completions in 2 micro-batches
 CASES = {
     "fsdp-full": ("full", ["--strategy", "fsdp", *TWO]),
@@ -31,17 +33,25 @@ CASES = {
     "fsdp-ep-moe": ("moe", ["--strategy", "fsdp", "--expert_parallel", "2", *TWO]),
     # Both ranks of the tensor-parallel group sample the same rollouts with their halves of every layer; the file keeps one copy.
     "fsdp-tp-full": ("full", ["--strategy", "fsdp", "--tensor_parallel", "2", *TWO]),
+    # Prompts about pictures (and one text prompt) for a vision-language model (PaddleOCR-VL's 3-D positions): the images
+    # reach generate and every training forward, and the sharded image encoder runs on every rank in both.
+    "fsdp-vision": ("vision", ["--strategy", "fsdp", *TWO]),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    from tests.vision_models import VISION_MODELS, save_vision_model, write_shape_prompts
+
     batch = Batch(tmp_path_factory.mktemp("rl"))
-    for name, job in JOBS.items():
+    folder = save_vision_model(next(m for m in VISION_MODELS if m.name == "paddleocr-vl"), batch.root / "model-vision")
+    train, val = write_shape_prompts(batch.root / "shapes", 15, 0, text_only=1), write_shape_prompts(batch.root / "shapes", 4, 1, "val.jsonl")
+    jobs = {**JOBS, "vision": ["finetune_lora", folder, "--lora_r", "4", "--data", "Prompts", "--data.path", train, "--data.val_path", val]}
+    for name, job in jobs.items():
         batch.add(f"single-{name}", 1, *job, *COMMON, "--train.micro_batch_size", "8")
     for case, (name, flags) in CASES.items():
         if flags is not None:
-            batch.add(case, 2, *JOBS[name], *COMMON, *flags)
+            batch.add(case, 2, *jobs[name], *COMMON, *flags)
     flags = [*JOBS["lora"], *COMMON, "--strategy", "ddp", *TWO]
     stopped = batch.add("ddp-lora-stopped", 2, *flags, "--train.stop_after_steps", "1")
     batch.add("ddp-lora-resumed", 2, *flags, "--resume", "auto", out=stopped)

@@ -297,7 +297,10 @@ class FSDP(TrainingStrategy):
     @contextmanager
     def generation_weights(self, module):
         """Every unit gathered once for the whole generate call and resharded after, where FSDP2 gathered each one again at
-        every decode step: for the shipped 7B GRPO config on 8 ranks, about 15 GB gathered per generated token."""
+        every decode step: for the shipped 7B GRPO config on 8 ranks, about 15 GB gathered per generated token. They are
+        gathered up front, in one order on every rank, so nothing generate does inside gathers: transformers runs a
+        vision-language model's image encoder before the model's forward (outside the root unit's gather), and a rank
+        whose prompts have no image runs none."""
         units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         groups = [group for unit in units for group in param_groups_of(unit)]
         if not groups:  # a torch whose FSDP2 keeps its groups elsewhere: the units gather per decode step, as they train
@@ -307,6 +310,8 @@ class FSDP(TrainingStrategy):
         for group in groups:
             group.post_forward_mesh_info = None  # what reshard_after_forward=False sets: the unit stays whole after its forward
         try:
+            for unit in units:
+                unit.unshard()
             yield
         finally:
             for group, info in zip(groups, kept):
