@@ -151,6 +151,35 @@ def test_image_models_refuse_what_they_cannot_run_yet(vision_folders, shapes, tm
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
+def test_rl_prompts_about_images_keep_their_pictures_and_refuse_bad_records_in_one_line(vision_folders, tmp_path):
+    """GRPO's prompts in TRL's vision layout: rendered by the processor with the generation prompt (image tokens expanded,
+    as a prompt of the SFT path), the image files and the rendered text kept for generate and training, the other columns
+    (image paths included) for the rewards; a text prompt beside them; a prompt whose image parts and images disagree: one line."""
+    from transformers import AutoProcessor
+
+    from litft.data import Prompts
+    from tests.vision_models import write_shape_prompts
+
+    path = write_shape_prompts(tmp_path, 3, 0, text_only=1)
+    tokenizer = load_tokenizer(str(vision_folders["paddleocr-vl"]))
+    prepared = Prompts(path=str(path), val_path=str(path)).tokenize(tokenizer, 0)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    processor = AutoProcessor.from_pretrained(vision_folders["paddleocr-vl"])
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    for sample, record in zip(prepared.train, records):
+        text = processor.apply_chat_template(record["prompt"], tokenize=False, add_generation_prompt=True)
+        assert sample["text"] == text and len(sample["images"]) == len(record.get("images", []))
+        assert int((sample["input_ids"] == image_token).sum() > 0) == int("images" in record)
+        assert json.loads(sample["columns"]["answer"]) == record["answer"] and json.loads(sample["messages"]) == record["prompt"]
+        if "images" in record:
+            assert json.loads(sample["columns"]["images"]) == [str(tmp_path / p) for p in record["images"]]
+    assert prepared.scoring == []  # scoring by generation reads text prompts
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(dict(records[0], images=records[0]["images"] * 2)) + "\n")
+    with pytest.raises(LitftError, match=r"record 0 of .*1 image part\(s\) in its turns and 2 image\(s\)"):
+        Prompts(path=str(bad), val_path=str(bad)).tokenize(tokenizer, 0)
+
+
 def test_a_datasets_image_column_gives_the_samples_of_the_same_jsonl(vision_folders, shapes, tmp_path):
     """--data HF on a dataset whose ``images`` column holds ``datasets`` Image values (saved with save_to_disk) tokenizes to the
     very samples the JSON file gives."""
