@@ -139,6 +139,26 @@ def qwen_vl(config_class: str):
     return build
 
 
+def mistral3(folder: Path):
+    """Mistral 3 (Mistral Small 3.1) with a stand-in processor: Pixtral's processor needs torchvision, which these machines
+    lack. LLaVA's processor around Pixtral's own image processor gives every shape image one size (its longest edge to 32,
+    then up to whole 16-pixel cells: 32 x 32), so each image is its 2 x 2 merged patches' 4 tokens, as Pixtral's would be
+    less its row-break and end tokens; the model's own code (Pixtral's 2-D rotary encoder cropped by ``image_sizes``, the
+    patch merger) runs on it."""
+    import transformers
+
+    tok = tokenizer_with({"image_token": "[IMG]"})
+    images = transformers.PixtralImageProcessorPil(size={"longest_edge": 32}, patch_size={"height": 16, "width": 16})
+    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=16, vision_feature_select_strategy="full",
+                                            num_additional_image_tokens=0, chat_template=TEMPLATE.replace("PLACEHOLDER", "[IMG]"))
+    text = dict(TEXT, model_type="mistral", vocab_size=len(tok), head_dim=8, sliding_window=None)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+                                         spatial_merge_size=2, vision_feature_layer=-1)
+    return config, processor
+
+
 @dataclass(frozen=True)
 class VisionModel:
     name: str
@@ -154,6 +174,7 @@ VISION_MODELS = [
     VisionModel("qwen2-vl", qwen_vl("Qwen2VLConfig"), "3-D rotary positions, tokens per image by its size (a stand-in processor)"),
     VisionModel("qwen2.5-vl", qwen_vl("Qwen2_5_VLConfig"), "windowed vision attention, 3-D rotary positions (a stand-in processor)"),
     VisionModel("qwen3-vl", qwen_vl("Qwen3VLConfig"), "deepstack features into the language model's layers, 3-D rotary (a stand-in processor)"),
+    VisionModel("mistral3", mistral3, "Pixtral's encoder: 2-D rotary patches cropped by each image's size, merged 2 x 2 (a stand-in processor)"),
     VisionModel("paddleocr-vl", paddleocr_vl, "dynamic resolution: tokens per image by its size, 3-D rotary positions (Qwen-VL's mechanisms)"),
 ]
 

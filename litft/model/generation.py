@@ -181,15 +181,16 @@ class Generation:
         if visuals is not None:
             vision = self.lm.images.prompts([text for text, _ in visuals], [files for _, files in visuals], ids, mask)
             vision = {key: value.to(device) for key, value in vision.items()}
-        if self.lm.stand_in is not None and not has_pixels(vision):  # a sharded image encoder runs on every rank (litft.model.vision)
-            self.lm.stand_in.before_generate(self.model)
+        stand_in = getattr(self.lm, "stand_in", None)  # a sharded image encoder runs on every rank (litft.model.vision)
+        if stand_in is not None and not has_pixels(vision):
+            stand_in.before_generate(self.model)
         try:
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=self.config(max_new_tokens),
                                       logits_processor=[sampler] if sampler is not None else None, synced_gpus=self.fabric.world_size > 1,
                                       **vision)
         finally:
-            if self.lm.stand_in is not None:
-                self.lm.stand_in.pending = False
+            if stand_in is not None:
+                stand_in.pending = False
         rows = out[:, ids.shape[1]:].cpu()
         logps = torch.stack(sampler.logps, 1).float().cpu() if sampler is not None and sampler.logps else None
         completions = []

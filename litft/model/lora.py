@@ -7,11 +7,13 @@ compiler (seconds on every process start), which a run without LoRA never needs.
 import contextlib
 import dataclasses
 import math
+import threading
 import types
 import warnings
 from typing import Optional, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from transformers import BitsAndBytesConfig
 
@@ -144,21 +146,97 @@ def apply_lora(model, lora: LoraArgs, adapt_encoder: bool = False):
     return add_adapters_in_one_matmul(keep_one_input_per_layer(peft_model))
 
 
-DROP_LEVELS = 2**16  # a drop probability is taken to the nearest 1/65536; the kept inputs are scaled by the rate taken
+DROP_LEVELS = 2**16  # on an accelerator a drop probability is taken to the nearest 1/65536; the kept inputs are scaled by the rate taken
 
 
 def dropout_mask(shape, p: float, device) -> Tuple[torch.Tensor, float]:
-    """Which elements dropout keeps (a bool tensor of ``shape``) and the drop probability it used (``p`` to 1/65536).
+    """Which elements dropout keeps (a bool tensor of ``shape``) and the drop probability it used, as the adapters draw
+    them: on the CPU from ``dropped_positions`` (p exact), elsewhere from random words (``_dropped_by_words``)."""
+    if torch.device(device).type != "cpu":
+        return _dropped_by_words(shape, p, device)
+    keep = torch.ones(math.prod(shape), dtype=torch.bool)
+    keep[dropped_positions(keep.numel(), p)] = False
+    return keep.view(shape), p
 
-    Four elements a random 64-bit word from torch's generator (seeded, and saved in checkpoints as the run's RNG state):
-    each 16-bit quarter is one uniform draw. torch's Bernoulli sampling spent one generator call and a float per element,
-    which on the CPU cost twice the layer's own matmul for every adapter; the masks are each adapter's own, as peft's.
-    """
+
+def _dropped_by_words(shape, p: float, device) -> Tuple[torch.Tensor, float]:
+    """A keep mask from four elements a random 64-bit word, each 16-bit quarter one uniform draw (p to 1/65536): one
+    kernel and no host synchronisation on an accelerator, where torch's Bernoulli sampling spent a float per element."""
     threshold = round(p * DROP_LEVELS)
     numel = math.prod(shape)
     words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), 2**63 - 1)  # every bit random
     keep = words.view(torch.int16)[:numel].view(shape) >= threshold - DROP_LEVELS // 2
     return keep, threshold / DROP_LEVELS
+
+
+def dropped_positions(numel: int, p: float) -> torch.Tensor:
+    """The flat positions that dropout drops among ``numel`` elements, in order, each with probability p independently.
+
+    Drawn as the gaps between them: the number of kept elements before each drop is geometric, floor(log(U) / log(1 - p))
+    for a uniform U, so about numel * p draws (float64, so the rate is p itself) stand for a draw per element. From torch's
+    generator (seeded, and saved in checkpoints as the run's RNG state); each adapter draws its own, as peft's dropout does.
+    """
+    log_kept = math.log1p(-p)
+    parts, start = [], 0  # start: the first element not yet decided
+    while start < numel:
+        expected = (numel - start) * p
+        count = int(expected + 8 * math.sqrt(expected) + 16)  # enough draws to pass the end but about once in 1e15
+        gaps = torch.rand(count, dtype=torch.float64).neg_().log1p_().div_(log_kept).floor_()  # 1 - U lies in (0, 1]
+        dropped = gaps.add_(1).cumsum_(0).add_(start - 1)
+        start = int(dropped[-1]) + 1
+        parts.append(dropped)
+    dropped = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return dropped[: int(torch.searchsorted(dropped, numel))].long()
+
+
+_SCRATCH = threading.local()  # this thread's host buffers for dropped inputs, one per dtype, as large as the largest asked
+
+
+def _zeroed_at(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``x`` with its flat ``positions`` (in x's logical order) set to zero, in a buffer that the next call reuses: the
+    caller reads it at once and keeps nothing of it. A fresh tensor of an input's size came from newly mapped pages at
+    every call, and filling them cost more than the copy itself."""
+    if isinstance(x, FakeTensor):  # the estimate's trace: a buffer of its own, counted while it lives
+        return x.clone(memory_format=torch.contiguous_format).view(-1).index_fill_(0, positions, 0).view(x.shape)
+    numel, buffers = x.numel(), _SCRATCH.__dict__
+    buffer = buffers.get(x.dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffers[x.dtype] = buffer = torch.empty(numel, dtype=x.dtype)
+    out = buffer[:numel]
+    out.view(x.shape).copy_(x)
+    return out.index_fill_(0, positions, 0).view(x.shape)
+
+
+class _DroppedPositionsMatmul(torch.autograd.Function):
+    """The CPU's ``linear(dropout(x), weight)``: the dropped positions drawn as a list (``dropped_positions``: about p of
+    the elements) and zeroed in place, where a mask's select read and wrote every element three times an adapter (the
+    forward, the weight's gradient, the input's gradient); the input's gradient is zeroed in place at the positions,
+    the dropped input made again for the weight's gradient. Keeps x (shared by the layer's adapters), the positions (8
+    bytes each: 0.4 bytes an element at p = 0.05, where the mask took 1) and the weight. Scaling as ``_DroppedInputMatmul``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, p: float):
+        if isinstance(x, FakeTensor):  # the estimate's trace: as many positions as expected, no values to draw them from
+            dropped = torch.empty(round(x.numel() * p), dtype=torch.int64)
+        else:
+            dropped = dropped_positions(x.numel(), p)
+        ctx.scale = 1.0 / (1.0 - p)
+        out = torch.nn.functional.linear(_zeroed_at(x, dropped), weight).mul_(ctx.scale)
+        ctx.save_for_backward(x, dropped, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, dropped, weight = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1]) * ctx.scale
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ weight.to(grad.dtype)).view(-1).index_fill_(0, dropped, 0).view(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            kept = _zeroed_at(x, dropped).reshape(-1, x.shape[-1]).to(grad.dtype)
+            grad_weight = (grad.t() @ kept).to(weight.dtype)
+        return grad_x, grad_weight, None
 
 
 def _zero_like(x: torch.Tensor):
@@ -168,8 +246,8 @@ def _zero_like(x: torch.Tensor):
 
 
 class _DroppedInputMatmul(torch.autograd.Function):
-    """``linear(dropout(x), weight)`` that keeps ``x`` and a one-byte mask for the backward, and scales the adapter's narrow
-    output instead of its wide input.
+    """An accelerator's ``linear(dropout(x), weight)``: keeps ``x`` and a one-byte mask for the
+    backward, and scales the adapter's narrow output instead of its wide input.
 
     peft keeps each adapter's dropped input until the backward: q, k and v (and the MLP's projections) each hold their
     own copy of the layer's input, at the input's full width and dtype. Here they keep the input they share and a boolean
@@ -181,7 +259,7 @@ class _DroppedInputMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, p: float):
-        keep, taken = dropout_mask(x.shape, p, x.device)
+        keep, taken = _dropped_by_words(x.shape, p, x.device)
         ctx.scale = 1.0 / (1.0 - taken)
         out = torch.nn.functional.linear(torch.where(keep, x, _zero_like(x)), weight) * ctx.scale
         ctx.save_for_backward(x, keep, weight)
@@ -211,6 +289,8 @@ class DroppedInputLinear(torch.nn.Linear):
         if not (self.training and self.dropout_p > 0 and torch.is_grad_enabled()):
             return super().forward(x)
         if self.bias is None and not (isinstance(x, DTensor) or isinstance(self.weight, DTensor)):  # plain, ZeRO-3's, fake
+            if x.device.type == "cpu":
+                return _DroppedPositionsMatmul.apply(x, self.weight, self.dropout_p)
             return _DroppedInputMatmul.apply(x, self.weight, self.dropout_p)
         # Tensor parallel's DTensors (a row-split A takes a sharded input): torch's own dropout, which DTensor draws itself.
         return super().forward(torch.nn.functional.dropout(x, self.dropout_p, training=True))

@@ -162,28 +162,35 @@ def test_adapter_dropout_keeps_a_mask_not_a_copy_and_trains_as_peft(tiny_dir, au
         with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.dtype) or t, lambda t: t):
             layer = next(m for m in ours.modules() if isinstance(m, DroppedInputLinear))
             layer(torch.randn(3, layer.in_features, requires_grad=True)).sum().backward()
-        assert torch.bool in kept and kept.count(torch.float32) == 2  # the input and the weight, no dropped copy
+        assert torch.int64 in kept and kept.count(torch.float32) == 2  # the input and the weight, no dropped copy (the CPU: positions)
 
 
-def test_dropout_masks_keep_each_element_with_one_minus_p_and_scale_to_the_same_mean():
-    """litft's masks (four draws a 64-bit word): each element kept with probability 1 - p (p to 1/65536), the kept inputs
-    scaled so that the expected dropped input is the input; independent between calls (each adapter its own)."""
-    from litft.model.lora import _DroppedInputMatmul, dropout_mask
+@pytest.mark.parametrize("draw", ["gaps", "words"])
+def test_dropout_masks_keep_each_element_with_one_minus_p_and_scale_to_the_same_mean(draw):
+    """litft's masks, both ways: the CPU's (the gaps between dropped elements drawn, p exact) and an accelerator's (four
+    draws a 64-bit word, p to 1/65536, run here on the CPU): each element kept with probability 1 - p, independently of its
+    neighbours (runs of kept elements are geometric), the kept inputs scaled so that the expected dropped input is the
+    input; independent between calls (each adapter its own)."""
+    from litft.model.lora import _DroppedInputMatmul, _DroppedPositionsMatmul, _dropped_by_words, dropout_mask
 
+    masks = {"gaps": lambda shape, p: dropout_mask(shape, p, "cpu"), "words": lambda shape, p: _dropped_by_words(shape, p, "cpu")}[draw]
     torch.manual_seed(0)
     shape = (1000, 1000)
-    for p in (0.05, 0.1, 0.5):
-        keep, taken = dropout_mask(shape, p, "cpu")
-        assert keep.dtype == torch.bool and keep.shape == shape and abs(taken - p) <= 2**-17
+    for p in (0.001, 0.05, 0.1, 0.5):
+        keep, taken = masks(shape, p)
+        assert keep.dtype == torch.bool and keep.shape == shape and abs(taken - p) <= (2**-17 if draw == "words" else 0)
         assert abs(float(keep.float().mean()) - (1 - taken)) < 4 * (p * (1 - p) / keep.numel()) ** 0.5  # 4 binomial std
-        again, _ = dropout_mask(shape, p, "cpu")
+        flat = keep.flatten()
+        both = float((~flat[1:] & ~flat[:-1]).float().mean())  # two neighbours dropped: p^2 if independent
+        assert abs(both - taken**2) < 4 * (taken**2 / keep.numel()) ** 0.5 + 1e-7
+        again, _ = masks(shape, p)
         both = float((~keep & ~again).float().mean())  # dropped by two draws: p^2 if independent
-        assert abs(both - taken**2) < 4 * (taken**2 / keep.numel()) ** 0.5
+        assert abs(both - taken**2) < 4 * (taken**2 / keep.numel()) ** 0.5 + 1e-7
     x, weight = torch.ones(4000, 64, dtype=torch.float64), torch.eye(64, dtype=torch.float64)
-    out = _DroppedInputMatmul.apply(x, weight, 0.1)  # each output element: one input kept (scaled) or dropped
+    matmul, taken = {"gaps": (_DroppedPositionsMatmul, 0.1), "words": (_DroppedInputMatmul, round(0.1 * 65536) / 65536)}[draw]
+    out = matmul.apply(x, weight, 0.1)  # each output element: one input kept (scaled) or dropped
     assert abs(float(out.mean()) - 1.0) < 4 * (0.1 / 0.9 / out.numel()) ** 0.5
-    scale = 1 / (1 - round(0.1 * 65536) / 65536)
-    assert all(v == 0.0 or abs(v - scale) < 1e-12 for v in torch.unique(out).tolist())
+    assert all(v == 0.0 or abs(v - 1 / (1 - taken)) < 1e-12 for v in torch.unique(out).tolist())
 
 
 def test_adapters_add_into_the_base_output_inside_their_second_matmul(tiny_dir, monkeypatch):
