@@ -42,7 +42,8 @@ def tile_mlps(blocks, chunk_tokens: int) -> int:
         mlp = dense_mlp(block)
         if mlp is None or getattr(mlp, "litft_tiled", False):
             continue
-        dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p for m in mlp.modules())
+        # A dropout draws from the RNG (a module's, or LoRA's moved into its A matrix: litft.model.lora.DroppedInputLinear).
+        dropout = any((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p) or getattr(m, "dropout_p", 0) > 0 for m in mlp.modules())
         mlp.forward = functools.partial(_tiled, mlp.forward, chunk_tokens, dropout)
         mlp.litft_tiled = True
         tiled += 1
