@@ -19,6 +19,8 @@ same commit moves by about 5%):
 - ``zero3_lora_peak_defaults``: ``litft finetune_lora`` at its default flags under ZeRO-3 on 2 ranks, 32-true, one step of a 0.97 GB random Llama (20
   layers, hidden 1024, MLP 2816): the largest rank's peak anonymous memory above the
   same run on a tiny model. No rank should ever hold the whole model (goal <= 0.8).
+  ``zero3_lora_peak_vocab`` and ``zero3_lora_peak_wide``: the same on held-out shapes, a tied 32k
+  vocabulary (16% of the model: ZeRO-3 gathers it whole) and 6 blocks of hidden 2048.
 - ``fsdp_accumulation``: ``litft finetune_full`` under FSDP FULL_SHARD on 2 ranks,
   micro-batch 1, 2 steps of the same model, global batch 8 against 2: what
   accumulating 4 micro-batches adds to the largest rank's peak (goal < 0.25).
@@ -37,6 +39,7 @@ checkpoint saving and the export included, as the out-of-memory killer sees it.
 """
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -47,7 +50,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(1, str(ROOT))  # this checkout's litft (the folders it makes), whichever one is installed
@@ -56,6 +59,9 @@ from figures import HISTORY, record  # noqa: E402  (benchmarks/ is the scripts' 
 SHAPES = {"": (4, 8), "_mb8": (8, 16)}  # figure suffix: (micro-batch, global batch); the second is the shape users reported
 BIG = dict(hidden=1024, layers=20, intermediate=2816)
 TINY = dict(hidden=128, layers=1, intermediate=384)
+# Held-out shapes for ZeRO-3 LoRA's peak: a tied 32k vocabulary (16% of the model, as Llama 3.2 1B's 21%), and 6 wide blocks.
+HELD_OUT = {"vocab": dict(hidden=1024, layers=16, intermediate=2816, vocab=32768, tied=True),
+            "wide": dict(hidden=2048, layers=6, intermediate=5632)}
 
 
 class TreePeak:
@@ -106,19 +112,19 @@ def run_peak(command: List[str], env: dict) -> int:
     return top
 
 
-def llama_folder(work: Path, hidden: int, layers: int, intermediate: int) -> Path:
-    """A random Llama of the shape with litft-tiny's tokenizer, saved once; its fp32 bytes are the model size."""
+def llama_folder(work: Path, hidden: int, layers: int, intermediate: int, vocab: int = 384, tied: bool = False) -> Path:
+    """A random Llama of the shape with litft-tiny's tokenizer (ids past it never used), saved once; its fp32 bytes are the model size."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from litft.model.tiny import ensure_tiny_model
 
-    folder = work / f"llama-{hidden}x{layers}"
+    folder = work / (f"llama-{hidden}x{layers}" + (f"-vocab{vocab}{'-tied' if tied else ''}" if (vocab, tied) != (384, False) else ""))
     if not (folder / "config.json").is_file():
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=384, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                              num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, max_position_embeddings=256,
-                             tie_word_embeddings=False)
+                             tie_word_embeddings=tied)
         LlamaForCausalLM(config).save_pretrained(folder)
         AutoTokenizer.from_pretrained(ensure_tiny_model()).save_pretrained(folder)
     return folder
@@ -146,10 +152,10 @@ def litft_peak(job: str, folder: Path, out: Path, flags: List[str]) -> int:
     return run_peak([sys.executable, "-m", "litft", job, str(folder), *data, *flags], env)
 
 
-def zero3_lora_peak_defaults(work: Path) -> float:
+def zero3_lora_peak_defaults(work: Path, shape: Optional[dict] = None) -> float:
     flags = ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2", "--train.global_batch_size", "2",
              "--train.micro_batch_size", "1", "--train.max_steps", "1"]
-    big, tiny = llama_folder(work, **BIG), llama_folder(work, **TINY)
+    big, tiny = llama_folder(work, **(shape or BIG)), llama_folder(work, **TINY)
     grown = litft_peak("finetune_lora", big, work / "out", flags) - litft_peak("finetune_lora", tiny, work / "out", flags)
     return grown / model_bytes(big)
 
@@ -200,7 +206,8 @@ def json_rows(stdout: str) -> List[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-MEASURES = {"zero3_lora_peak_defaults": zero3_lora_peak_defaults, "fsdp_accumulation": fsdp_accumulation}
+MEASURES = {"zero3_lora_peak_defaults": zero3_lora_peak_defaults, "fsdp_accumulation": fsdp_accumulation,
+            **{f"zero3_lora_peak_{name}": functools.partial(zero3_lora_peak_defaults, shape=shape) for name, shape in HELD_OUT.items()}}
 
 
 def main() -> None:

@@ -65,6 +65,7 @@ class DeepSpeedAnyDevice(DeepSpeedStrategy):
         reset_seed()
         self._set_world_ranks()
         self._init_deepspeed_distributed()
+        gather_by_broadcasts_on_gloo()
         if not self._config_initialized:
             self._format_config()
             self._config_initialized = True
@@ -84,6 +85,49 @@ class DeepSpeedAnyDevice(DeepSpeedStrategy):
     def backward(self, tensor, module, *args, **kwargs):
         # The loop already divides by the global batch's token count.
         return super().backward(tensor, module, *args, scale_wrt_gas=False, **kwargs)
+
+
+class _Broadcasts:
+    """The handle of one gather made of broadcasts: waits for all of them."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self, *args, **kwargs) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
+def gather_by_broadcasts(output_tensor, input_tensor, group=None, async_op=False):
+    """``all_gather_into_tensor`` as one broadcast per rank, each into its part of the output, for gloo: gloo's own gather
+    fills a second output-sized buffer and copies it over, so a ZeRO-3 rank held every gathered parameter twice at once
+    (a vocabulary-sized embedding put a rank above the whole model's bytes). The same values in the same places."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    parts = output_tensor.view(world, -1)
+    mine = parts[dist.get_rank(group)]
+    if mine.data_ptr() != input_tensor.data_ptr():  # ZeRO's coalesced gathers hand in their own part of the output
+        mine.copy_(input_tensor.reshape(-1))
+    works = [dist.broadcast(parts[r], src=dist.get_global_rank(group, r) if group is not None else r, group=group, async_op=True)
+             for r in range(world)]
+    handle = _Broadcasts(works)
+    return handle if async_op else handle.wait() and None
+
+
+def gather_by_broadcasts_on_gloo() -> None:
+    """Route DeepSpeed's parameter gathers through ``gather_by_broadcasts`` where the process group is gloo (CPU ranks);
+    NCCL gathers in place already. A DeepSpeed without the hook keeps gloo's gather."""
+    import torch.distributed as dist
+    from deepspeed.comm import comm as ds_comm
+
+    backend = getattr(ds_comm, "cdb", None)
+    if dist.get_backend() == "gloo" and getattr(backend, "all_gather_function", None) is not None:
+        backend.all_gather_function = gather_by_broadcasts
 
 
 class DeepSpeed(TrainingStrategy):
