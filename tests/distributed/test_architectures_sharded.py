@@ -40,10 +40,12 @@ CASES = {
 
 
 # Vision-language models on the coloured-shapes images (tests/vision_models.py): FSDP wraps the image encoder's blocks as
-# units too (Gemma 3, full fine-tuning, the encoder frozen); ZeRO-3 partitions it under LoRA (PaddleOCR-VL's 3-D positions).
+# units too (Gemma 3, full fine-tuning, the encoder frozen); ZeRO-3 partitions it under LoRA (PaddleOCR-VL's 3-D positions) and
+# under full fine-tuning, where the projector trains (Gemma 3).
 VISION_CASES = {
     "fsdp-vision": ("gemma3", "finetune_full", ["--strategy", "fsdp", "--devices", "2"]),
     "zero3-vision-lora": ("paddleocr-vl", "finetune_lora", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"]),
+    "zero3-vision-full": ("gemma3", "finetune_full", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"]),
 }
 
 

@@ -283,11 +283,14 @@ class DeepSpeed(TrainingStrategy):
         fabric.strategy.config["zero_optimization"].update(sized["zero_optimization"])
         fill(lm)
         if self.stage == 3 and lm.sees_images:
-            # The image encoder and projector gathered whole once a forward (ZeRO-3 leaves), not module by module: their
-            # forwards can loop over the images (PaddleOCR-VL's projector does), and ranks whose micro-batches hold different
-            # numbers of images would otherwise make different numbers of gathers.
+            # A frozen image encoder and projector gathered whole once a forward (ZeRO-3 leaves), not module by module:
+            # their forwards can loop over the images (PaddleOCR-VL's projector does), and ranks whose micro-batches hold
+            # different numbers of images would otherwise make different numbers of gathers. Not a trained one: a leaf's
+            # weights were released before its backward (a gradient of 0 elements, DeepSpeed 0.19).
             for name in beside_language_model(lm.hf_model):
-                lm.hf_model.get_submodule(name)._z3_leaf = True
+                module = lm.hf_model.get_submodule(name)
+                if not any(p.requires_grad for p in module.parameters()):
+                    module._z3_leaf = True
         made = lm.configure_optimizers()
         module, optimizer = fabric.setup(lm, made["optimizer"])
         return module, optimizer, made["lr_scheduler"]
