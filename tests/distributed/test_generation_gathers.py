@@ -25,6 +25,12 @@ for name in ("all_gather", "all_gather_into_tensor", "_all_gather_base", "all_ga
             counted[0] += 1
             return _real(*args, **kwargs)
         setattr(dist, name, counting)
+import litft.parallel.strategies.deepspeed as deepspeed_strategy  # on gloo ZeRO-3 gathers by broadcasts: one gather a call
+real_gather = deepspeed_strategy.gather_by_broadcasts
+def counted_gather(*args, **kwargs):
+    counted[0] += 1
+    return real_gather(*args, **kwargs)
+deepspeed_strategy.gather_by_broadcasts = counted_gather
 if os.environ.get("NO_PARAM_GROUPS"):  # a stand-in for a torch whose FSDP2 keeps its parameter groups where litft cannot find them
     import litft.parallel.strategies.fsdp as fsdp
     fsdp.param_groups_of = lambda unit: []
