@@ -119,7 +119,7 @@ def llama_folder(work: Path, hidden: int, layers: int, intermediate: int, vocab:
 
     from litft.model.tiny import ensure_tiny_model
 
-    folder = work / (f"llama-{hidden}x{layers}" + (f"-vocab{vocab}{'-tied' if tied else ''}" if (vocab, tied) != (384, False) else ""))
+    folder = work / f"llama-{hidden}x{layers}-vocab{vocab}{'-tied' if tied else ''}"
     if not (folder / "config.json").is_file():
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,

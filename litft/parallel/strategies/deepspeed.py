@@ -116,7 +116,10 @@ def gather_by_broadcasts(output_tensor, input_tensor, group=None, async_op=False
     works = [dist.broadcast(parts[r], src=dist.get_global_rank(group, r) if group is not None else r, group=group, async_op=True)
              for r in range(world)]
     handle = _Broadcasts(works)
-    return handle if async_op else handle.wait() and None
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def gather_by_broadcasts_on_gloo() -> None:
