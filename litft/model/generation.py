@@ -26,7 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from litft.model.compiling import eager_blocks
-from litft.model.vision import has_pixels
+from litft.model.vision import has_pixels, image_marker_tokens
 
 MASK32 = 0xFFFFFFFF
 Visual = Tuple[str, List[bytes]]  # a prompt that sees images: its rendered text and its image files' bytes (litft.data.images)
@@ -76,10 +76,15 @@ class Sampler:
     a third of the full-vocabulary passes, none on int64). The processor returns scores that make the drawn token the
     argmax, so greedy decoding takes it. Beside it: each drawn token's log-prob at T over the whole vocabulary (what the
     loss scores; top-p's cut is not in it), and each row's summed entropy at T while it has not stopped.
+
+    ``never``: tokens cut like top-p's tail, whatever their probability: a vision-language model's image placeholders and
+    markers (``image_marker_tokens``), which in a completion would make the trainer's forward look for an image that is
+    not there (transformers stops: "Image features and image tokens do not match"; vLLM samples them too, in R1-V's runs).
     """
 
-    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, stops: Sequence[int], device):
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, stops: Sequence[int], device, never: Sequence[int] = ()):
         self.temperature, self.top_p = temperature, top_p
+        self.never = torch.tensor(list(never), dtype=torch.long, device=device) if never else None
         keyed = torch.tensor([[seed & MASK32, (seed >> 32) & MASK32] for seed in seeds], dtype=torch.int64, device=device)
         self.rows = hash32(hash32(keyed[:, 0]) ^ hash32(keyed[:, 1] + 0x9E3779B9))
         self.step = 0
@@ -99,6 +104,8 @@ class Sampler:
         probs = (warped - norm).exp_()
         entropy = norm.squeeze(1) - torch.where(probs > 0, probs * warped, 0.0).sum(-1)
         kept = probs if self.top_p >= 1 else top_p_kept(probs, self.top_p)
+        if self.never is not None:
+            kept = kept.index_fill(1, self.never[self.never < kept.shape[-1]], 0.0)
         cdf = kept.cumsum_(-1) if kept is not probs else probs.cumsum(-1)
         total = cdf[:, -1:]
         # Strictly below the total: the first entry whose cumulative sum passes it has a probability above 0.
@@ -142,6 +149,7 @@ class Generation:
         self.lm = module.module if hasattr(module, "module") else module
         self.model = self.lm.model
         self.stops = stop_tokens(self.model, tokenizer)
+        self.never = image_marker_tokens(self.lm.hf_model.config) if getattr(self.lm, "sees_images", False) else []
         self.weights = weights or contextlib.nullcontext  # the strategy's weights for generation, held for a whole call
 
     def deal(self, count: int, per_call: int) -> List[List[int]]:
@@ -217,7 +225,7 @@ class Generation:
         """``count`` completions of each prompt, sampled together in one call, and their summed entropy; ``seeds``: one per
         prompt, from which alone its completions are drawn (inside ``generating``)."""
         rows = [seed ^ ((j * 0x9E3779B97F4A7C15) & (2**64 - 1)) for seed in seeds for j in range(count)]  # a seed per completion
-        sampler = Sampler(rows, temperature, top_p, self.stops, self.fabric.device)
+        sampler = Sampler(rows, temperature, top_p, self.stops, self.fabric.device, self.never)
         repeated = None if visuals is None else [v for v in visuals for _ in range(count)]
         pieces = self.call([p for p in prompts for _ in range(count)], max_new_tokens, sampler, repeated)
         return [pieces[k * count : (k + 1) * count] for k in range(len(prompts))], float(sampler.entropy.sum())

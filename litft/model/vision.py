@@ -5,8 +5,10 @@ users expect: the projector and the language model learn), which linear layers L
 micro-batch, made at each step by the model's own processor from the texts and image files the samples keep.
 """
 
+import functools
 import inspect
 import threading
+import types
 from typing import Dict, List
 
 import torch
@@ -62,6 +64,50 @@ def beside_language_model(hf_model) -> List[str]:
     holder = hf_model.get_submodule(parent) if parent else hf_model
     return [f"{parent}.{name}" if parent else name for name, child in holder.named_children()
             if name != own and any(True for _ in child.parameters())]
+
+
+def gathered_once_a_forward(hf_model) -> None:
+    """Ready the modules beside the language model for ZeRO-3, which gathers a module's weights at each of its calls: a
+    trained module whose layers ran once per image would make as many gathers as its rank has images, and ranks holding
+    different numbers would pair their collectives wrongly. PaddleOCR-VL's projector (the one such module among the
+    models litft's tests build) runs its layers once over every image's patches instead (``_paddleocr_projector_in_one_pass``); any other module
+    that calls a layer twice in one forward stops with one line at that call, before its gather."""
+    parent = language_model_name(hf_model).rpartition(".")[0]
+    holder = hf_model.get_submodule(parent) if parent else hf_model
+    called = {}  # the trained layers beside the language model run so far in this forward of the model (not recomputes)
+    holder.register_forward_pre_hook(lambda *_: called.clear() or called.update(forward=True), prepend=True)
+    holder.register_forward_hook(lambda *_: called.clear(), always_call=True)
+    for name in beside_language_model(hf_model):
+        module = hf_model.get_submodule(name)
+        for part in module.modules():
+            if type(part).__name__ == "PaddleOCRProjector":
+                part.forward = types.MethodType(_paddleocr_projector_in_one_pass, part)
+        if any(p.requires_grad for p in module.parameters()):
+            for layer_name, layer in module.named_modules(prefix=name):
+                if any(True for _ in layer.parameters(recurse=False)):
+                    layer.register_forward_pre_hook(functools.partial(_first_call, called, layer_name, type(module).__name__), prepend=True)
+
+
+def _paddleocr_projector_in_one_pass(self, image_features: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+    """transformers' PaddleOCRProjector.forward with its layers run once: the norm, both linear layers and the activation
+    act on each row alone, so running them over all images' rows gives each image's result; only the merge of each
+    2 x 2 patch block into one row (a reshape) goes image by image."""
+    m1, m2 = self.merge_kernel_size
+    normed = self.pre_norm(image_features)
+    width = normed.shape[-1]
+    merged = [chunk.reshape(t, h // m1, m1, w // m2, m2, width).transpose(2, 3).reshape(-1, m1 * m2 * width)
+              for chunk, (t, h, w) in zip(normed.split(image_grid_thw.prod(dim=1).tolist(), dim=0), image_grid_thw.tolist())]
+    return self.linear_2(self.act(self.linear_1(torch.cat(merged))))
+
+
+def _first_call(called: dict, layer_name: str, owner: str, layer, args) -> None:
+    if "forward" not in called:  # a checkpointed layer's recompute in the backward, or a call outside the model's forward
+        return
+    if layer_name in called:
+        raise LitftError(f"{layer_name} runs more than once in a forward (once per image?), and ZeRO-3 gathers its weights at "
+                         f"each call, out of step across ranks; train {owner} with --strategy fsdp or --deepspeed.stage 2, or "
+                         "train LoRA (which keeps it frozen)")
+    called[layer_name] = True
 
 
 def freeze_encoder(hf_model) -> int:
@@ -208,6 +254,15 @@ def float_tensors(value):
         return [value] if value.is_floating_point() else []
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else []
     return [t for item in items for t in float_tensors(item)]
+
+
+def image_marker_tokens(config) -> List[int]:
+    """The token ids a vision-language model's config gives its images (and videos): placeholders and begin/end markers
+    (``image_token_id``, Gemma 3's ``boi_token_index``, Qwen-VL's ``vision_start_token_id``...), which its forward reads as
+    where pictures go; the sampler never draws them."""
+    marks = ("image", "video", "vision", "boi", "eoi")
+    return sorted({value for key, value in vars(config).items() if key.endswith(("_token_id", "_token_index"))
+                   and any(mark in key for mark in marks) and isinstance(value, int) and value >= 0})
 
 
 def has_pixels(vision) -> bool:

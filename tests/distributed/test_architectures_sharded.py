@@ -40,12 +40,13 @@ CASES = {
 
 
 # Vision-language models on the coloured-shapes images (tests/vision_models.py): FSDP wraps the image encoder's blocks as
-# units too (Gemma 3, full fine-tuning, the encoder frozen); ZeRO-3 partitions it under LoRA (PaddleOCR-VL's 3-D positions) and
-# under full fine-tuning, where the projector trains (Gemma 3).
+# units too (Gemma 3, full fine-tuning, the encoder frozen); ZeRO-3 partitions it under LoRA and under full fine-tuning, where
+# the projector trains (PaddleOCR-VL's 3-D positions; its projector's layers, run once per image by transformers, run once a
+# forward, as the ranks' micro-batches hold 2, 1 and 0 images).
 VISION_CASES = {
     "fsdp-vision": ("gemma3", "finetune_full", ["--strategy", "fsdp", "--devices", "2"]),
     "zero3-vision-lora": ("paddleocr-vl", "finetune_lora", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"]),
-    "zero3-vision-full": ("gemma3", "finetune_full", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"]),
+    "zero3-vision-full": ("paddleocr-vl", "finetune_full", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"]),
 }
 
 

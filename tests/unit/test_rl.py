@@ -278,6 +278,13 @@ def test_the_sampler_draws_from_the_softmax_at_the_temperature_with_noise_of_eac
     edge = Sampler([5], 1.0, 1.0, [], "cpu")
     edge.uniform = lambda: torch.tensor([1.0 - 2**-24])
     assert int(edge(None, torch.tensor([[0.0, 0.0, -math.inf]])).argmax()) == 1
+    # Tokens never drawn (a vision-language model's image placeholders) are cut as top-p's tail is, however likely; the
+    # log-prob kept is still over the whole vocabulary, as the loss scores it.
+    shy = Sampler(list(range(2000)), 1.0, 1.0, [], "cpu", never=[0, 2, 9])  # 9: past this vocabulary, ignored
+    out = shy(torch.zeros(2000, 1, dtype=torch.long), logits.expand(2000, -1).clone())
+    picked = out.argmax(-1)
+    assert not torch.isin(picked, torch.tensor([0, 2])).any() and set(picked.tolist()) == {1, 3, 4}
+    torch.testing.assert_close(shy.logps[0], torch.log_softmax(logits, -1)[picked], rtol=0, atol=1e-6)
 
 
 def test_dealing_gives_every_rank_as_many_calls_and_each_prompt_once():

@@ -219,6 +219,38 @@ def test_qlora_keeps_the_image_encoder_and_projector_in_16_bits(vision_folders):
         assert adapted and adapted <= quantized, name
 
 
+def test_zero3_readies_trained_projectors_to_gather_once_a_forward(vision_folders):
+    """ZeRO-3 gathers at every call of a layer: PaddleOCR-VL's projector runs its layers once over all images, giving what
+    transformers' image-by-image loop gives (images of different sizes); a layer called twice in a forward is refused."""
+    from transformers import AutoModelForImageTextToText
+
+    from litft.model.vision import gathered_once_a_forward
+
+    model = AutoModelForImageTextToText.from_pretrained(vision_folders["paddleocr-vl"], dtype=torch.float32)
+    projector = model.model.projector
+    grids = torch.tensor([[1, 4, 6], [1, 8, 4], [1, 2, 2]])
+    features = torch.randn(int(grids.prod(dim=1).sum()), projector.pre_norm.normalized_shape[0], requires_grad=True)
+    expected = projector(features, grids)
+    (grad_expected,) = torch.autograd.grad(expected.square().sum(), features)
+    gathered_once_a_forward(model)
+    calls = []
+    projector.linear_1.register_forward_pre_hook(lambda *_: calls.append(1))
+    got = projector(features, grids)
+    (grad_got,) = torch.autograd.grad(got.square().sum(), features)
+    assert len(calls) == 1 and got.shape == expected.shape == (6 + 8 + 1, model.config.text_config.hidden_size)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_got, grad_expected, rtol=1e-5, atol=1e-5 * float(grad_expected.abs().max()))  # fp32 sums in another order
+    # Calls are counted within each forward of the model (here made by a hook at its start), not a recompute's outside it.
+    model.model.register_forward_pre_hook(lambda *_: [projector(features, grids)] and None)
+    text = torch.tensor([[1, 2]])
+    model.model(input_ids=text), model.model(input_ids=text)
+    norm = projector.pre_norm
+    projector.forward = lambda image_features, grid: norm(norm(image_features))  # a layer twice, as a loop per image would
+    projector(features, grids)  # outside a forward of the model: a checkpointed layer's recompute, say
+    with pytest.raises(LitftError, match=r"^model\.projector\.pre_norm runs more than once in a forward .*--strategy fsdp"):
+        model.model(input_ids=text)
+
+
 def test_generate_with_an_image_answers_as_transformers_generates(vision_folders, shapes):
     """litft generate --image: the picture in the first user turn through the model's processor and chat template; greedy,
     the same tokens as transformers' generate on what the processor makes of that conversation. A text model refuses it."""
