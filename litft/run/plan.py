@@ -201,9 +201,6 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal("vision-state", lambda f: f.sees_images and f.carries_state, lambda f: (
         f"vision-language models whose language model carries state ({f.model_type}) are not checked against transformers yet; "
         "train the text model alone or another vision-language model"), {"sees_images": True, "carries_state": True}),
-    Refusal("vision-memory", lambda f: f.sees_images and (f.activation_offload or f.tiled_mlp), lambda f: (
-        "--train.activation_offload and --train.tiled_mlp are not wired for vision-language models yet; drop them"),
-            {"sees_images": True, "tiled_mlp": True}),
     Refusal("vision-vllm", lambda f: f.sees_images and f.rl and f.engine == "vllm", lambda f: (
         f"--objective.engine vllm does not sample from vision-language models ({f.model_type}) in litft yet; use --objective.engine "
         "transformers"), {"sees_images": True, "objective": "grpo", "data_kind": "prompts", "engine": "vllm", "installed": frozenset({"vllm"})}),

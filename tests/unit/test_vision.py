@@ -251,6 +251,57 @@ def test_zero3_readies_trained_projectors_to_gather_once_a_forward(vision_folder
         model.model(input_ids=text)
 
 
+def image_step(folder, val, precision="32-true", lora=None, **train):
+    """One forward and backward of a vision-language model's module over the records of ``val`` (two micro-batches of two):
+    the summed loss, the gradients and the module."""
+    from litft.config import Layout, TrainArgs
+    from litft.data.images import load_processor
+    from litft.model.vision import ImageInputs
+    from litft.parallel.strategies import SingleDevice
+    from litft.run.build import build_module
+    from litft.run.plan import Facts, RunPlan
+
+    train = TrainArgs(**train)
+    plan = RunPlan.decide(Facts(precision=precision, sees_images=True))
+    lm, fill, _ = build_module(str(folder), plan, lora, train, 1, random_init=False, seed=0, device=torch.device("cpu"),
+                               strategy=SingleDevice(Layout(), "cpu", precision, train))
+    fill(lm)
+    lm.train()
+    lm.images = ImageInputs(load_processor(str(folder)), lm.hf_model)
+    samples = JSON(json_path=val, val_path=val).tokenize(load_tokenizer(str(folder)), 0).val[:4]
+    torch.manual_seed(2)  # the adapters' dropout masks
+    total = 0.0
+    for start in (0, 2):
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16-mixed"):
+            loss = lm.loss_sum(collate(samples[start : start + 2], pad_id=0))
+        loss.backward()
+        total += loss.detach()
+    return total, {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}, lm
+
+
+@pytest.mark.parametrize("name", ["gemma3", "paddleocr-vl"])
+def test_activation_offload_and_tiled_mlp_on_images_give_the_plain_step(name, vision_folders, shapes):
+    """Offloaded, the image encoder's saved tensors move too and the step is the plain one bit for bit (full fine-tuning in
+    fp32; LoRA with dropout, checkpointed, in bf16-mixed); tiled, the MLPs (each token's own) give the untiled step."""
+    from litft.config import LoraArgs
+
+    folder, val = vision_folders[name], shapes[2]
+    loss, grads, _ = image_step(folder, val)
+    loss_off, grads_off, lm = image_step(folder, val, activation_offload=True)
+    assert torch.equal(loss, loss_off) and grads.keys() == grads_off.keys() and lm.offloaded_bytes > 0
+    assert all(torch.equal(grads[n], grads_off[n]) for n in grads)
+    loss_tiled, grads_tiled, lm = image_step(folder, val, tiled_mlp=True)
+    assert lm.model.tiled_mlps >= lm.hf_model.config.text_config.num_hidden_layers  # Gemma 3's encoder's (SigLIP's) too
+    torch.testing.assert_close(loss_tiled, loss, rtol=1e-6, atol=0)
+    for n in grads:  # summed chunk by chunk: float rounding apart
+        assert torch.linalg.vector_norm(grads_tiled[n] - grads[n]) <= 1e-5 * torch.linalg.vector_norm(grads[n]), n
+    lora = LoraArgs(r=4, alpha=8, dropout=0.1, target_modules="all-linear")
+    loss, grads, _ = image_step(folder, val, "bf16-mixed", lora, gradient_checkpointing=True)
+    loss_off, grads_off, _ = image_step(folder, val, "bf16-mixed", lora, gradient_checkpointing=True, activation_offload=True)
+    assert torch.equal(loss, loss_off) and grads.keys() == grads_off.keys()
+    assert all(torch.equal(grads[n], grads_off[n]) for n in grads)
+
+
 def test_generate_with_an_image_answers_as_transformers_generates(vision_folders, shapes):
     """litft generate --image: the picture in the first user turn through the model's processor and chat template; greedy,
     the same tokens as transformers' generate on what the processor makes of that conversation. A text model refuses it."""
