@@ -148,8 +148,17 @@ class ImageRecords:
     def render(self, messages: list, prompt: bool) -> str:
         return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
 
-    def tokens(self, text: str, images: list) -> torch.Tensor:
-        return processor_call(self.processor, [text], [images])["input_ids"][0] if text else torch.zeros(0, dtype=torch.long)
+    def tokens(self, text: str, images: list, where: str) -> torch.Tensor:
+        if not text:
+            return torch.zeros(0, dtype=torch.long)
+        try:
+            return processor_call(self.processor, [text], [images])["input_ids"][0]
+        except ValueError as error:  # as the processors check a text against its images: a placeholder without a picture...
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            marks = [m for m in (getattr(self.processor, name, None) for name in ("image_token", "video_token")) if isinstance(m, str) and m]
+            hint = (f"; a text that writes {' or '.join(repr(m) for m in marks)} (the model's image placeholder) is taken for a picture, "
+                    "so write it another way" if any(text.count(m) > len(images) for m in marks) else "")
+            raise LitftError(f"{where}: the processor refuses it ({reason}){hint}") from None
 
     def pair(self, record: dict, index: int, where: str, max_len: int) -> Optional[Sample]:
         """A preference pair about images (TRL's layout: ``prompt`` messages with image parts, ``chosen`` and ``rejected``
@@ -160,7 +169,7 @@ class ImageRecords:
             raise LitftError(f"{where} carries images, and its 'prompt' is not a list of {{'role', 'content'}} messages with the image parts")
         stored = self.images_of(record, prompt, where)
         images = [open_image(data) for data in stored]
-        before = self.tokens(self.render(prompt, prompt=True), images)
+        before = self.tokens(self.render(prompt, prompt=True), images, where)
         rows, texts = [], []
         for key in ("chosen", "rejected"):
             response = record.get(key)
@@ -168,7 +177,7 @@ class ImageRecords:
             if not response or not isinstance(response, list) or image_parts(response):
                 raise LitftError(f"{where}: '{key}' must be a non-empty text or list of assistant messages without images")
             text = self.render(prompt + response, prompt=False)
-            ids = self.tokens(text, images)
+            ids = self.tokens(text, images, where)
             if not torch.equal(ids[: len(before)], before) or len(ids) == len(before):
                 raise LitftError(f"the processor's chat template does not render {where} with its prompt first, so the responses cannot be told apart")
             rows.append(ids)
@@ -202,7 +211,7 @@ class ImageRecords:
         messages = ([{"role": "system", "content": system}] if system else []) + prompt
         stored = self.images_of(record, messages, where)
         text = self.render(messages, prompt=True)
-        ids = self.tokens(text, [open_image(data) for data in stored])
+        ids = self.tokens(text, [open_image(data) for data in stored], where)
         if len(ids) >= max_len:
             return None
         return {"input_ids": ids, "id": torch.tensor(index), "text": text, "images": stored}
@@ -213,11 +222,11 @@ class ImageRecords:
         stored = self.images_of(record, messages, where)
         images = [open_image(data) for data in stored]
         text = self.render(messages, prompt=False)
-        ids = self.tokens(text, images)
+        ids = self.tokens(text, images, where)
         labels = ids.clone() if not self.mask_prompt else torch.full_like(ids, IGNORE_INDEX)
         for start, end in spans if self.mask_prompt else ():
-            before = self.tokens(self.render(messages[:start], prompt=True) if start else "", images[: image_parts(messages[:start])])
-            after = self.tokens(self.render(messages[:end], prompt=False), images[: image_parts(messages[:end])])
+            before = self.tokens(self.render(messages[:start], prompt=True) if start else "", images[: image_parts(messages[:start])], where)
+            after = self.tokens(self.render(messages[:end], prompt=False), images[: image_parts(messages[:end])], where)
             if not (torch.equal(ids[: len(after)], after) and torch.equal(after[: len(before)], before)):
                 raise LitftError(f"the processor's chat template does not render {where} incrementally, so its prompt cannot be "
                                  "masked; set --data.mask_prompt false")

@@ -106,7 +106,8 @@ def test_jobs_train_images_and_export_what_transformers_loads(job, name, vision_
 
 def test_bad_image_records_are_refused_in_one_line(vision_folders, shapes, tmp_path):
     """A missing image file, an image part without its image, an image that does not decode, an image record that is not a
-    conversation: one line naming the record (and the file), before any model is built; image data on a text-only model too."""
+    conversation, a text that writes the image placeholder: one line naming the record (and the file), before any model is
+    built; image data on a text-only model too."""
     from litft.cli.jobs import JOBS
     from litft.config import TrainArgs
 
@@ -127,6 +128,11 @@ def test_bad_image_records_are_refused_in_one_line(vision_folders, shapes, tmp_p
         with pytest.raises(LitftError, match=says) as caught:
             JSON(json_path=path, val_path=path).tokenize(tokenizer, 0)
         assert "record 0 of" in str(caught.value) and "\n" not in str(caught.value)
+    # A text record that writes the image placeholder, which the processor takes for a picture that is not there.
+    literal = {"messages": [{"role": "user", "content": "What does <image> do in a prompt?"}, {"role": "assistant", "content": "It marks a picture."}]}
+    path.write_text(json.dumps(dict(good, images=["fine.png"])) + "\n" + json.dumps(literal) + "\n")
+    with pytest.raises(LitftError, match=r"^record 1 of .*refuses it .*'<image>' \(the model's image placeholder\)[^\n]*$"):
+        JSON(json_path=path, val_path=path).tokenize(load_tokenizer(str(vision_folders["llava"])), 0)
     with pytest.raises(LitftError, match="has no image processor"):
         JOBS["finetune_full"]("litft-tiny", out_dir=tmp_path / "text", data=JSON(json_path=train), accelerator="cpu", logger_name="csv",
                               train=TrainArgs(max_steps=1))
