@@ -84,7 +84,7 @@ class Sampler:
 
     def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, stops: Sequence[int], device, never: Sequence[int] = ()):
         self.temperature, self.top_p = temperature, top_p
-        self.never = torch.tensor(list(never), dtype=torch.long, device=device) if never else None
+        self.never, self.never_at = list(never), None  # never_at: the ids within the vocabulary, on the device (first draw)
         keyed = torch.tensor([[seed & MASK32, (seed >> 32) & MASK32] for seed in seeds], dtype=torch.int64, device=device)
         self.rows = hash32(hash32(keyed[:, 0]) ^ hash32(keyed[:, 1] + 0x9E3779B9))
         self.step = 0
@@ -104,8 +104,10 @@ class Sampler:
         probs = (warped - norm).exp_()
         entropy = norm.squeeze(1) - torch.where(probs > 0, probs * warped, 0.0).sum(-1)
         kept = probs if self.top_p >= 1 else top_p_kept(probs, self.top_p)
-        if self.never is not None:
-            kept = kept.index_fill(1, self.never[self.never < kept.shape[-1]], 0.0)
+        if self.never:
+            if self.never_at is None:  # once: a boolean index per token would wait on the device at every step
+                self.never_at = torch.tensor([t for t in self.never if t < kept.shape[-1]], dtype=torch.long, device=kept.device)
+            kept = kept.index_fill(1, self.never_at, 0.0)
         cdf = kept.cumsum_(-1) if kept is not probs else probs.cumsum(-1)
         total = cdf[:, -1:]
         # Strictly below the total: the first entry whose cumulative sum passes it has a probability above 0.

@@ -66,26 +66,53 @@ def beside_language_model(hf_model) -> List[str]:
             if name != own and any(True for _ in child.parameters())]
 
 
-def gathered_once_a_forward(hf_model) -> None:
-    """Ready the modules beside the language model for ZeRO-3, which gathers a module's weights at each of its calls: a
-    trained module whose layers ran once per image would make as many gathers as its rank has images, and ranks holding
-    different numbers would pair their collectives wrongly. PaddleOCR-VL's projector (the one such module among the
-    models litft's tests build) runs its layers once over every image's patches instead (``_paddleocr_projector_in_one_pass``); any other module
-    that calls a layer twice in one forward stops with one line at that call, before its gather."""
+def ready_for_zero3(hf_model) -> None:
+    """The modules beside the language model made safe for ZeRO-3, which gathers a module's weights at each of its calls:
+    one whose layers ran once per image would make as many gathers as its rank has images, and ranks holding different
+    numbers would pair their collectives wrongly. A frozen module (the encoder; the projector under LoRA) becomes a ZeRO-3
+    leaf, gathered whole once a forward. A trained one cannot (a leaf's weights were released before its backward: a
+    gradient of 0 elements, DeepSpeed 0.19), so it must call each layer once a forward: PaddleOCR-VL's projector (the
+    one that loops among the models litft's tests build) runs its layers once over every image's patches
+    (``_paddleocr_projector_in_one_pass``), and any other layer called twice in one forward stops with one line at that
+    call, before its gather (``LayerCalls``)."""
     parent = language_model_name(hf_model).rpartition(".")[0]
-    holder = hf_model.get_submodule(parent) if parent else hf_model
-    called = {}  # the trained layers beside the language model run so far in this forward of the model (not recomputes)
-    holder.register_forward_pre_hook(lambda *_: called.clear() or called.update(forward=True), prepend=True)
-    holder.register_forward_hook(lambda *_: called.clear(), always_call=True)
+    calls = LayerCalls(hf_model.get_submodule(parent) if parent else hf_model)
     for name in beside_language_model(hf_model):
         module = hf_model.get_submodule(name)
         for part in module.modules():
             if type(part).__name__ == "PaddleOCRProjector":
                 part.forward = types.MethodType(_paddleocr_projector_in_one_pass, part)
-        if any(p.requires_grad for p in module.parameters()):
-            for layer_name, layer in module.named_modules(prefix=name):
-                if any(True for _ in layer.parameters(recurse=False)):
-                    layer.register_forward_pre_hook(functools.partial(_first_call, called, layer_name, type(module).__name__), prepend=True)
+        if not any(p.requires_grad for p in module.parameters()):
+            module._z3_leaf = True
+            continue
+        for layer_name, layer in module.named_modules(prefix=name):
+            if any(True for _ in layer.parameters(recurse=False)):
+                layer.register_forward_pre_hook(functools.partial(calls.first, layer_name, type(module).__name__), prepend=True)
+
+
+class LayerCalls:
+    """Which layers have run within the current forward of ``holder`` (the module holding the encoder and the language
+    model); calls outside it (a checkpointed layer's recompute in the backward) are not counted."""
+
+    def __init__(self, holder: torch.nn.Module):
+        self.seen = None  # the layers run in this forward; None outside one
+        holder.register_forward_pre_hook(self.start, prepend=True)
+        holder.register_forward_hook(self.end, always_call=True)
+
+    def start(self, *_) -> None:
+        self.seen = set()
+
+    def end(self, *_) -> None:
+        self.seen = None
+
+    def first(self, layer_name: str, owner: str, layer, args) -> None:
+        if self.seen is None:
+            return
+        if layer_name in self.seen:
+            raise LitftError(f"{layer_name} runs more than once in a forward (once per image?), and ZeRO-3 gathers its weights at "
+                             f"each call, out of step across ranks; train {owner} with --strategy fsdp or --deepspeed.stage 2, or "
+                             "train LoRA (which keeps it frozen)")
+        self.seen.add(layer_name)
 
 
 def _paddleocr_projector_in_one_pass(self, image_features: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -98,16 +125,6 @@ def _paddleocr_projector_in_one_pass(self, image_features: torch.Tensor, image_g
     merged = [chunk.reshape(t, h // m1, m1, w // m2, m2, width).transpose(2, 3).reshape(-1, m1 * m2 * width)
               for chunk, (t, h, w) in zip(normed.split(image_grid_thw.prod(dim=1).tolist(), dim=0), image_grid_thw.tolist())]
     return self.linear_2(self.act(self.linear_1(torch.cat(merged))))
-
-
-def _first_call(called: dict, layer_name: str, owner: str, layer, args) -> None:
-    if "forward" not in called:  # a checkpointed layer's recompute in the backward, or a call outside the model's forward
-        return
-    if layer_name in called:
-        raise LitftError(f"{layer_name} runs more than once in a forward (once per image?), and ZeRO-3 gathers its weights at "
-                         f"each call, out of step across ranks; train {owner} with --strategy fsdp or --deepspeed.stage 2, or "
-                         "train LoRA (which keeps it frozen)")
-    called[layer_name] = True
 
 
 def freeze_encoder(hf_model) -> int:

@@ -230,7 +230,7 @@ def test_zero3_readies_trained_projectors_to_gather_once_a_forward(vision_folder
     transformers' image-by-image loop gives (images of different sizes); a layer called twice in a forward is refused."""
     from transformers import AutoModelForImageTextToText
 
-    from litft.model.vision import gathered_once_a_forward
+    from litft.model.vision import ready_for_zero3
 
     model = AutoModelForImageTextToText.from_pretrained(vision_folders["paddleocr-vl"], dtype=torch.float32)
     projector = model.model.projector
@@ -238,7 +238,7 @@ def test_zero3_readies_trained_projectors_to_gather_once_a_forward(vision_folder
     features = torch.randn(int(grids.prod(dim=1).sum()), projector.pre_norm.normalized_shape[0], requires_grad=True)
     expected = projector(features, grids)
     (grad_expected,) = torch.autograd.grad(expected.square().sum(), features)
-    gathered_once_a_forward(model)
+    ready_for_zero3(model)
     calls = []
     projector.linear_1.register_forward_pre_hook(lambda *_: calls.append(1))
     got = projector(features, grids)

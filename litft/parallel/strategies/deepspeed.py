@@ -25,7 +25,7 @@ from litft.parallel.strategies.base import Fill, TrainingStrategy, local_bytes, 
 from litft.parallel.strategies.deepspeed_config import deepspeed_config
 from litft.parallel.strategies.deepspeed_state import RowShards, empty_state, restore_training_state, trained_parameters, training_state, unsharded_entries
 from litft.model.recurrent import text_config
-from litft.model.vision import beside_language_model, gathered_once_a_forward
+from litft.model.vision import ready_for_zero3
 from litft.model.weights import CheckpointWeights, Materializer
 
 INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"
@@ -286,15 +286,7 @@ class DeepSpeed(TrainingStrategy):
         fabric.strategy.config["zero_optimization"].update(sized["zero_optimization"])
         fill(lm)
         if self.stage == 3 and lm.sees_images:
-            # A frozen image encoder and projector gathered whole once a forward (ZeRO-3 leaves), not module by module:
-            # their forwards can loop over the images, and ranks whose micro-batches hold different numbers of images
-            # would otherwise make different numbers of gathers. Not a trained one: a leaf's weights were released before
-            # its backward (a gradient of 0 elements, DeepSpeed 0.19); a trained one runs each layer once a forward.
-            gathered_once_a_forward(lm.hf_model)
-            for name in beside_language_model(lm.hf_model):
-                module = lm.hf_model.get_submodule(name)
-                if not any(p.requires_grad for p in module.parameters()):
-                    module._z3_leaf = True
+            ready_for_zero3(lm.hf_model)  # the encoder's and projector's gathers alike on every rank, whatever its images
         made = lm.configure_optimizers()
         module, optimizer = fabric.setup(lm, made["optimizer"])
         return module, optimizer, made["lr_scheduler"]
