@@ -68,7 +68,8 @@ ARCHITECTURES = [
     Architecture("qwen3-moe", "Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8), "MoE"),
     Architecture("gpt-neox", "GPTNeoXConfig", dict(num_key_value_heads=None, use_parallel_residual=True)),
     Architecture("llama4 (chunked)", "Llama4TextConfig", dict(head_dim=8, attention_chunk_size=WINDOW, intermediate_size_mlp=64,
-                                                             num_local_experts=1), "chunked attention", refused="chunked_attention layers"),
+                                                             num_local_experts=4, interleave_moe_layer_step=2),
+                 "attention within chunks (transformers' own masks, padded rows), MoE in every other layer"),
     # Layers that carry state from token to token (litft.model.recurrent): trained on padded rows, one sample per row.
     Architecture("mamba", "MambaConfig", dict(state_size=8, num_attention_heads=None, num_key_value_heads=None, intermediate_size=None, max_position_embeddings=None), "state space"),
     Architecture("mamba2", "Mamba2Config", dict(state_size=8, num_heads=4, head_dim=16, n_groups=1, chunk_size=8, num_attention_heads=None, num_key_value_heads=None, intermediate_size=None, max_position_embeddings=None), "state space (SSD)"),
@@ -185,14 +186,14 @@ def as_litft_builds_it(folder, dtype=torch.float32, device="cpu", attention=None
     from litft.model.experts import use_grouped_experts
     from litft.model.loss import fuse_target_loss
     from litft.model.causal_lm import CausalLM
-    from litft.model.loading import check_architecture, load_config
+    from litft.model.loading import check_architecture, load_config, own_mask_layers
     from litft.model.hub_layout import model_layout_weights
     from litft.model.weights import Materializer, skeleton, transformer_blocks
 
     config = load_config(str(folder))
     check_architecture(config)
     model = skeleton(config, dtype)
-    model.set_attn_implementation(attention or SEGMENTS)
+    model.set_attn_implementation(attention or ("sdpa" if own_mask_layers(config) else SEGMENTS))
     use_grouped_experts(model)
     fill = Materializer(model, model, model_layout_weights(folder, config), 0)
     for block in reversed(transformer_blocks(model)):
@@ -207,6 +208,8 @@ def attention_path(architecture: Architecture) -> str:
         return "none (state-space layers only)"
     if "softcapping" in architecture.features or "sinks" in architecture.features:
         return "the model's own eager attention, a sample at a time"
+    if "chunks" in architecture.features:
+        return "transformers' SDPA with its chunked masks, a row per sample"
     if "window" in architecture.features:
         return "varlen kernel with its window (torch 2.11+) on a GPU; windowed SDPA a sample at a time otherwise"
     return "varlen kernel on a GPU (bf16); SDPA, a row per sample, otherwise"
@@ -215,7 +218,7 @@ def attention_path(architecture: Architecture) -> str:
 def table() -> str:
     """docs/models.md's table of architectures: what the conformance test checks, and what each runs under CP and TP."""
     from litft.errors import LitftError
-    from litft.model.loading import check_architecture
+    from litft.model.loading import check_architecture, own_mask_layers
     from litft.parallel.context import check_context_parallel
     from litft.parallel.tensor import check_tensor_parallel
     from litft.model.recurrent import BOUNDARY_KERNELS, KERNEL_PACKAGES, carries_state
@@ -238,6 +241,8 @@ def table() -> str:
             rows.append(f"| {a.name} (`{a.config}`) | {a.features} | refused: {str(err).split(': ', 1)[-1].split(';')[0]} | | | |")
             continue
         rows_are = "no: a sample per padded row (state)" if carries_state(config) else "yes"
+        if own_mask_layers(config):
+            rows_are = "no: a sample per padded row (transformers' masks)"
         packages = BOUNDARY_KERNELS.get(config.get_text_config().model_type)
         if packages:
             rows_are = f"with {' and '.join(KERNEL_PACKAGES[p] for p in packages)} installed; else a sample per padded row"

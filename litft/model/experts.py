@@ -82,6 +82,10 @@ def is_experts(module: torch.nn.Module) -> bool:
     return hasattr(module, "has_gate") and hasattr(module, "is_concatenated")
 
 
+# Routers of MoE models whose experts do not run through the interface, that return (scores, logits) and keep ``top_k``.
+ROUTERS_OUTSIDE_THE_INTERFACE = ("Llama4Router",)
+
+
 def experts_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [module for module in model.modules() if is_experts(module)]
 
@@ -105,17 +109,32 @@ class ExpertLoad:
     counted again, and padding (collate's padded rows) is not counted at all.
     """
 
-    def __init__(self, layers: List[torch.nn.Module]):
+    def __init__(self, layers: List[torch.nn.Module], routers: bool = False):
         self.layers = layers
         split = getattr(layers[0], DEALT, None) if layers else None
         self.groups = split[1] if split is not None else 1  # ranks the experts are dealt out over (expert parallel)
         self.counts: Optional[torch.Tensor] = None  # (layers, experts)
-        self.handles = [layer.register_forward_pre_hook(self._counter(i), with_kwargs=True) for i, layer in enumerate(layers)]
+        if routers:  # a router outside the experts interface (Llama 4's): each token's top-k experts from its logits
+            self.handles = [layer.register_forward_hook(self._router_counter(i)) for i, layer in enumerate(layers)]
+        else:
+            self.handles = [layer.register_forward_pre_hook(self._counter(i), with_kwargs=True) for i, layer in enumerate(layers)]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Optional["ExpertLoad"]:
         layers = experts_modules(model)
-        return cls(layers) if layers else None
+        if layers:
+            return cls(layers)
+        routers = [module for module in model.modules() if type(module).__name__ in ROUTERS_OUTSIDE_THE_INTERFACE]
+        return cls(routers, routers=True) if routers else None
+
+    def _router_counter(self, position: int):
+        count = self._counter(position)
+
+        def from_logits(module, args, output):
+            logits = output[1]
+            count(module, (None, logits.topk(module.top_k, dim=-1).indices), {})
+
+        return from_logits
 
     def _counter(self, position: int):
         def count(module, args, kwargs):

@@ -61,18 +61,27 @@ def load_config(source: str):
 
 # The attention layers litft's padding-free attention computes as transformers does.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Attention layers whose pattern only transformers' own masks make (Llama 4's attention within chunks of
+# ``attention_chunk_size`` tokens): such a model trains a sample per padded row through transformers' SDPA or eager path.
+OWN_MASK_LAYER_TYPES = ("chunked_attention",)
+
+
+def own_mask_layers(config) -> Optional[str]:
+    """The layer type that needs transformers' own masks (``chunked_attention``), or None."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return next((kind for kind in OWN_MASK_LAYER_TYPES if kind in (getattr(text, "layer_types", None) or [])), None)
 
 
 def check_architecture(config) -> None:
     """One line, before any process starts, for a model litft cannot train as transformers computes it.
 
     A layer type litft has not listed is judged by what its layers are: a layer that mixes no tokens (an MLP, experts)
-    computes each token alone, whatever the rows look like, and trains; one that mixes them some other way (attention in
-    chunks or over selected tokens) is refused, naming its module.
+    computes each token alone, whatever the rows look like, and trains; one that mixes them some other way (attention over
+    selected tokens) is refused, naming its module. Attention in chunks trains on padded rows (``own_mask_layers``).
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = list(getattr(text, "layer_types", None) or [])
-    others = sorted(set(types) - set(ATTENTION_LAYER_TYPES) - set(STATE_LAYER_TYPES))
+    others = sorted(set(types) - set(ATTENTION_LAYER_TYPES) - set(OWN_MASK_LAYER_TYPES) - set(STATE_LAYER_TYPES))
     if others:
         mixers = token_mixers(config, types, others)
         for kind in others:
@@ -80,7 +89,7 @@ def check_architecture(config) -> None:
                 how = f" ({mixers[kind]})" if mixers.get(kind, "unknown") != "unknown" else ""
                 raise LitftError(
                     f"litft cannot train {text.model_type} models yet: their {kind} layers mix tokens{how} in a way litft's padding-free "
-                    "attention does not compute as transformers does (attention in chunks or over selected tokens); use transformers' "
+                    "attention does not compute as transformers does (attention over selected tokens); use transformers' "
                     "Trainer for it"
                 )
     check_recurrent(config)

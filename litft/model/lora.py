@@ -19,7 +19,7 @@ from transformers import BitsAndBytesConfig
 
 from litft.config import QUANTIZE_CHOICES, LoraArgs
 from litft.errors import LitftError
-from litft.model.experts import is_experts
+from litft.model.experts import ROUTERS_OUTSIDE_THE_INTERFACE, is_experts
 from litft.model.recurrent import carries_state
 from litft.model.vision import beside_language_model, lora_targets, sees_images
 
@@ -80,9 +80,11 @@ def resolved_targets(lora: LoraArgs, model, adapt_encoder: bool = False):
         chosen = None if lora.targets == "all-linear" else set(lora.targets)
         return [name for name in lora_targets(model, adapt_encoder) if name not in left_out
                 and (chosen is None or name in chosen or name.rpartition(".")[2] in chosen)]
-    if lora.targets != "all-linear" or not carries_state(model.config):
+    routers = [name for name, module in model.named_modules() if type(module).__name__ in ROUTERS_OUTSIDE_THE_INTERFACE]
+    if lora.targets != "all-linear" or not (carries_state(model.config) or routers):
         return lora.targets
-    head, left_out = model.get_output_embeddings(), set(read_past_adapters(model))
+    # A router that subclasses nn.Linear but returns (scores, logits) (Llama 4's) is no linear layer to adapt.
+    head, left_out = model.get_output_embeddings(), set(read_past_adapters(model)) | set(routers)
     return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head and name not in left_out]
 
 

@@ -27,6 +27,7 @@ from litft.data.collate import cumulative_lengths
 from litft.data.samples import IGNORE_INDEX
 from litft.errors import LitftError
 from litft.model.attention import CONTEXT_KEY
+from litft.model.loading import own_mask_layers
 from litft.model.recurrent import refuse_split
 
 # The varlen key under which a sliced batch hands attention and the objectives its ContextGroup (generation's batches have none).
@@ -38,6 +39,10 @@ def check_context_parallel(config, size: int) -> None:
     if size > 1:
         refuse_split(config, "--context_parallel")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config  # multimodal configs keep it apart
+    chunked = own_mask_layers(config)
+    if size > 1 and chunked:
+        raise LitftError(f"--context_parallel exchanges heads around litft's own attention, and {text.model_type}'s {chunked} layers "
+                         "attend within chunks only transformers' masks compute; drop --context_parallel")
     heads = getattr(text, "num_attention_heads", None)
     if size > 1 and heads is not None and heads % size:
         raise LitftError(

@@ -21,6 +21,7 @@ from litft.model.attention import describe as describe_attention
 from litft.model.compiling import CompileChoice, choose as choose_compile
 from litft.model.flops import expert_count
 from litft.model.kernels import describe_kernels
+from litft.model.loading import own_mask_layers
 from litft.model.recurrent import boundary_kernels, carries_state, describe as describe_rows_of_state
 from litft.model.recurrent import text_config
 from litft.model.vision import sees_images
@@ -80,6 +81,12 @@ class Facts:
     checkpointing: bool = False  # --train.gradient_checkpointing
     tiled_mlp: bool = False
     sees_images: bool = False  # a vision-language model (litft.model.vision)
+    own_masks: Optional[str] = None  # a layer type only transformers' masks compute (chunked_attention: litft.model.loading)
+
+    @property
+    def padded_by_model(self) -> bool:
+        """The model's own forward makes its masks (and a VLM its positions): a sample per padded row, transformers' attention."""
+        return self.sees_images or self.own_masks is not None
 
     @property
     def rl(self) -> bool:
@@ -198,6 +205,10 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal("vision-rows", lambda f: f.sees_images and (f.packing or f.attention == SEGMENTS), lambda f: (
         f"a vision-language model ({f.model_type}) trains a sample per padded row, with the masks and positions its own forward "
         f"makes; drop --data.packing and use --attn_implementation auto, sdpa or eager"), {"sees_images": True, "packing": True}),
+    Refusal("own-masks-rows", lambda f: f.own_masks is not None and (f.packing or f.context > 1 or f.attention in PACKED_SAFE), lambda f: (
+        f"{f.model_type}'s {f.own_masks} layers attend within chunks of the sequence, which only transformers' own masks compute: "
+        "litft trains it a sample per padded row; drop --data.packing and --context_parallel, and use --attn_implementation auto, "
+        "sdpa or eager"), {"own_masks": "chunked_attention", "model_type": "llama4", "packing": True}),
     Refusal("vision-state", lambda f: f.sees_images and f.carries_state, lambda f: (
         f"vision-language models whose language model carries state ({f.model_type}) are not checked against transformers yet; "
         "train the text model alone or another vision-language model"), {"sees_images": True, "carries_state": True}),
@@ -290,7 +301,7 @@ class RunPlan:
     def decide(cls, facts: Facts) -> "RunPlan":
         refuse(facts)
         attention = choose_attention(facts)
-        packed = attention in PACKED_SAFE and not facts.sees_images  # a VLM computes its own positions and masks: a row per sample
+        packed = attention in PACKED_SAFE and not facts.padded_by_model  # the model makes its own masks (and a VLM positions): a row per sample
         if facts.carries_state:
             rows = PACKED_WITH_BOUNDARIES if packed and facts.boundary_kernels else PADDED
         else:
@@ -368,7 +379,7 @@ def choose_attention(facts: Facts) -> str:
         return SEGMENTS
     if facts.attention != "auto":
         return facts.attention
-    if facts.sees_images:  # the model's own masks (a padded row each): transformers' SDPA path
+    if facts.padded_by_model:  # the model's own masks (a padded row each): transformers' SDPA path
         return "sdpa"
     if facts.accelerator == "cuda" and "flash_attn" in facts.installed and not facts.precision.startswith("32"):
         return "flash_attention_2"
@@ -427,6 +438,7 @@ def facts_of(spec, accelerator: str, precision: str, strategy, config, data_worl
         capability=capability, overwrite=spec.overwrite, resumes_inside_out_dir=spec.resumes_inside_out_dir,
         lm_eval_tasks=bool(spec.eval.tasks), activation_offload=spec.train.activation_offload,
         checkpointing=spec.train.gradient_checkpointing, tiled_mlp=spec.train.tiled_mlp, sees_images=sees_images(config),
+        own_masks=own_mask_layers(config),
     )
 
 

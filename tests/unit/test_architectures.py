@@ -18,7 +18,7 @@ from litft.model.varlen import VarlenKernel, use_varlen_kernel
 from litft.data.collate import collate
 from litft.data.samples import pack
 from litft.errors import LitftError
-from litft.model.loading import check_architecture, load_config
+from litft.model.loading import check_architecture, load_config, own_mask_layers
 from litft.model.recurrent import carries_state
 from tests.architectures import ARCHITECTURES, VOCAB, as_litft_builds_it, reference, samples, save_tiny
 from tests.varlen_standins import STANDINS
@@ -40,9 +40,9 @@ def references(folders):
 @pytest.mark.parametrize("architecture", TRAINED, ids=[a.name for a in TRAINED])
 def test_loss_and_gradients_equal_transformers_eager(architecture, folders, references):
     """Packed (padding-free) and padded batches: the summed loss to 1e-5 and every gradient to 1e-4 (relative L2). Models whose
-    layers carry state train on padded rows only (litft.model.recurrent)."""
+    layers carry state (litft.model.recurrent) or attend within chunks train on padded rows only."""
     expected, expected_grads = references[architecture.name]
-    for padding_free in (False,) if carries_state(architecture.build()) else (True, False):
+    for padding_free in (False,) if carries_state(architecture.build()) or own_mask_layers(architecture.build()) else (True, False):
         lm = as_litft_builds_it(folders[architecture.name])
         batch = collate(pack(samples(), max_length=64), pad_id=0, padding_free=True) if padding_free else collate(samples(), pad_id=0)
         loss = lm.loss_sum(batch)
@@ -175,7 +175,7 @@ def logits(model, ids):
 JOB_CASES = [("finetune_full", "mistral (window)"), ("finetune_full", "qwen3-moe"), ("finetune_full", "gpt-neox"),
              ("finetune_lora", "gemma2"), ("finetune_lora", "qwen3-moe"), ("finetune_lora", "gpt-oss"),
              ("finetune_lora", "falcon-h1"), ("finetune_lora", "granite-4 hybrid"), ("finetune_full", "qwen3-next"), ("finetune_lora", "lfm2"),
-             ("finetune_lora", "mamba")]
+             ("finetune_lora", "mamba"), ("finetune_full", "llama4 (chunked)"), ("finetune_lora", "llama4 (chunked)")]
 
 
 @pytest.mark.parametrize("job, name", JOB_CASES, ids=[f"{j}-{n.split()[0]}" for j, n in JOB_CASES])
