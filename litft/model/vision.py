@@ -290,6 +290,9 @@ def has_pixels(vision) -> bool:
 def check_images_fit(config, has_images: bool) -> None:
     """Image records need a model that sees images."""
     if has_images and not sees_images(config):
+        if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and getattr(config, "vision_config", None) is not None:
+            raise LitftError(f"the data's records carry images, and litft trains {config.model_type}'s text model (transformers' causal-LM "
+                             "class for it): its images are not wired yet; drop the images or train another vision-language model")
         raise LitftError(f"the data's records carry images, and {config.model_type} models read text only; train a vision-language "
                          "model (an AutoModelForImageTextToText folder) or drop the images")
 

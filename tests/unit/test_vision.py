@@ -401,6 +401,14 @@ def test_which_configs_train_as_vision_language_models(vision_folders):
     assert auto_model_class(load_config(str(vision_folders["gemma3"]))) is AutoModelForCausalLM  # its causal-LM class is the VLM
     qwen = transformers.Qwen3_5Config()
     assert not sees_images(qwen) and auto_model_class(qwen) is AutoModelForCausalLM
+    # Image records on a model trained as text: one line, which says whether the model itself could see them.
+    from litft.model.vision import check_images_fit
+
+    for config, says in ((qwen, "litft trains qwen3_5's text model"), (transformers.Llama4Config(), "litft trains llama4's text model"),
+                         (transformers.LlamaConfig(), "llama models read text only")):
+        with pytest.raises(LitftError, match=says):
+            check_images_fit(config, True)
+        check_images_fit(config, False)
     flash = Facts(sees_images=True, attention="flash_attention_2", installed=frozenset({"flash_attn"}), precision="bf16-mixed", accelerator="cuda")
     assert RunPlan.decide(flash).rows == PADDED
 
