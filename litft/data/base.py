@@ -135,7 +135,7 @@ def mean_length(samples) -> float:
 def samples_see_images(data: PreparedData) -> bool:
     """Whether the prepared samples carry images (litft.data.images): the first of each split tells, as a dataset is one or the other."""
     for samples in (data.train, data.val):
-        if isinstance(samples, list) and samples and "images" in samples[0]:
+        if getattr(samples, "images", False) or (isinstance(samples, list) and samples and "images" in samples[0]):  # a stream says
             return True
     return False
 

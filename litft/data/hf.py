@@ -16,12 +16,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from litft.config import at_least
 from litft.data.base import DataModule, PreparedData, Prompted, litft_home, split_indices
+from litft.data.images import ImageRecords
 from litft.data.samples import IGNORE_INDEX, Sample, pack
 from litft.data.sft import InstructionData, PromptStyle
 from litft.data.stream import streamed
@@ -292,8 +293,6 @@ class HF(InstructionData):
     def load_or_tokenize(self, tokenizer, seed: int) -> PreparedData:
         """Map-style: tokenized once per dataset fingerprint and read back memory-mapped; streamed: see ``stream.py``."""
         if self.streaming:
-            if IMAGES in (self.splits(streaming=True)[0].column_names or []):
-                raise LitftError(f"dataset {self.path!r} has an images column, and image records are not streamed yet; set --data.streaming false")
             return streamed(self, tokenizer, seed)
         train, val = self.splits(streaming=False)
         source = f"{train._fingerprint}:{val._fingerprint if val is not None else ''}"
@@ -318,18 +317,41 @@ class HF(InstructionData):
         if val is None:
             train_idx, val_idx = split_indices(len(train), self.val_split_fraction, seed)
             train, val = train.select(train_idx), train.select(val_idx)
-        layout = self.layout([c for c in train.column_names if c != IMAGES])
+        layout = self.image_layout(train.column_names)
+        train, val = undecoded_images(train), undecoded_images(val)
+        return [image_record(layout, row) for row in train], [image_record(layout, row) for row in val], f"dataset {self.path!r}"
+
+    def image_layout(self, column_names: List[str]) -> Layout:
+        """The form of a vision dataset's records beside its ``images`` column: chat or prompt/completion conversations."""
+        layout = self.layout([c for c in column_names if c != IMAGES])
         if layout.form not in ("chat", "completion"):
             raise LitftError(f"dataset {self.path!r} has an images column beside {layout.form} records; image records are messages or "
                              "prompt/completion conversations whose turns hold {'type': 'image'} parts (map yours with --data.columns)")
+        return layout
 
-        def as_records(table) -> list:
-            datasets, one = hf_datasets(), isinstance(table.features[IMAGES], hf_datasets().Image)  # an image a record, or a list
-            undecoded = datasets.Image(decode=False)  # the files' bytes, decoded once they are checked
-            table = table.cast_column(IMAGES, undecoded if one else datasets.List(undecoded))
-            return [dict(layout.record(row), images=[row[IMAGES]] if one else list(row[IMAGES] or [])) for row in table]
+    def stream_encoder(self, tokenizer, column_names: List[str], max_len: int) -> Tuple[Callable[[dict, int], Sample], bool]:
+        """How a streamed record becomes a sample, and whether the records are image records (not scored by generation).
 
-        return as_records(train), as_records(val), f"dataset {self.path!r}"
+        An image record's tokens are never cut, and a stream's global batches keep their size (each rank its micro-batches):
+        a record longer than ``max_len`` becomes a sample without targets (one token), which adds nothing to the loss."""
+        if IMAGES not in column_names:
+            layout = self.layout(column_names)
+            return (lambda row, index: self.encode_row(row, index, tokenizer, layout, max_len)), False
+        layout, images = self.image_layout(column_names), ImageRecords(tokenizer, self.mask_prompt)
+        filler = images.processor.tokenizer.eos_token or images.processor.tokenizer.pad_token
+
+        def encode(row: dict, index: int) -> Sample:
+            where = f"record {index} of dataset {self.path!r}"
+            sample = images.encode(image_record(layout, row), index, where, max_len)
+            if sample is not None:
+                return sample
+            if filler is None:
+                raise LitftError(f"{where} is longer than {max_len} tokens with its images (whose tokens are never cut); raise "
+                                 "--data.max_seq_length")
+            ids = images.tokens(filler, [], where)
+            return {"input_ids": ids, "labels": torch.full_like(ids, IGNORE_INDEX), "id": torch.tensor(index), "text": filler, "images": []}
+
+        return encode, True
 
     def tokenize_into(self, cache: Path, train, val, tokenizer, key: str) -> None:
         """Tokenize both splits in parallel processes and save them (with the scoring prompts) as one folder, renamed into place."""
@@ -368,3 +390,22 @@ class HF(InstructionData):
         datasets.DatasetDict(parts).save_to_disk(str(partial), num_shards=empty)
         os.replace(partial, cache)
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def undecoded_images(table):
+    """``table`` (a dataset, or a stream) with its ``datasets`` Image values left as the files' bytes, decoded once checked."""
+    declared = (getattr(table, "features", None) or {}).get(IMAGES)
+    datasets = hf_datasets()
+    if isinstance(declared, datasets.Image):
+        return table.cast_column(IMAGES, datasets.Image(decode=False))
+    inner = getattr(declared, "feature", None)
+    if isinstance(inner, datasets.Image):
+        return table.cast_column(IMAGES, datasets.List(datasets.Image(decode=False)))
+    return table  # paths, or a stream whose features are not known: read as they come
+
+
+def image_record(layout: Layout, row: dict) -> dict:
+    """A row of a vision dataset as an image record: its conversation, and its images (one, or a list) as a list."""
+    entry = row[IMAGES]
+    return dict(layout.record(row), images=list(entry or []) if isinstance(entry, (list, tuple)) else [] if entry is None else [entry])
+

@@ -113,6 +113,7 @@ class StreamSource:
 
     stream: RecordStream
     encode: Callable[[dict, int], Sample]
+    images: bool = False  # image records (litft.data.images), whose batches the model's processor completes at each step
 
     def step_batches(self, global_batch_size: int, micro_batch_size: int, rank: int, world_size: int, pad_id: int, pin: bool,
                      padding_free: bool = False, split: Optional[Callable[[dict], dict]] = None) -> StreamBatches:
@@ -121,22 +122,22 @@ class StreamSource:
 
 def streamed(module, tokenizer, seed: int) -> PreparedData:
     """``module`` (an HF data module) read as a stream: validation records tokenized now, training records as training reaches them."""
+    from litft.data.hf import undecoded_images
+
     train, val = module.splits(streaming=True)
+    train, val = undecoded_images(train), undecoded_images(val) if val is not None else None
     names = train.column_names or list(next(iter(train), {}).keys())
     if not names:
         raise LitftError(f"the training split of dataset {module.path!r} is empty")
-    layout = module.layout(names)
-    max_len = module.effective_max_length(tokenizer)
+    encode, images = module.stream_encoder(tokenizer, names, module.effective_max_length(tokenizer))
     held_out = val is None
     val_rows = list(islice(iter(train if held_out else val), module.val_samples))
-
-    def encode(record: dict, index: int) -> Sample:
-        return module.encode_row(record, index, tokenizer, layout, max_len)
-
     samples = [encode(row, i) for i, row in enumerate(val_rows)]
-    scoring = [] if layout.form == "text" else [module.prompted(tokenizer, layout.record(row), f"dataset {module.path!r}") for row in val_rows]
+    layout = None if images else module.layout(names)  # image records are not scored by generation yet
+    scoring = [] if layout is None or layout.form == "text" else [
+        module.prompted(tokenizer, layout.record(row), f"dataset {module.path!r}") for row in val_rows]
     stream = RecordStream(train, len(val_rows) if held_out else 0, module.shuffle_buffer, seed)
     return PreparedData(
-        train=StreamSource(stream, encode), val=[s for s in samples if (s["labels"] != IGNORE_INDEX).any()],
+        train=StreamSource(stream, encode, images), val=[s for s in samples if (s["labels"] != IGNORE_INDEX).any()],
         scoring=[p for p in scoring if p is not None],
     )

@@ -188,7 +188,7 @@ def test_rl_prompts_about_images_keep_their_pictures_and_refuse_bad_records_in_o
 
 def test_a_datasets_image_column_gives_the_samples_of_the_same_jsonl(vision_folders, shapes, tmp_path):
     """--data HF on a dataset whose ``images`` column holds ``datasets`` Image values (saved with save_to_disk) tokenizes to the
-    very samples the JSON file gives."""
+    very samples the JSON file gives, read whole or streamed."""
     import datasets
 
     from litft.data import HF
@@ -203,8 +203,31 @@ def test_a_datasets_image_column_gives_the_samples_of_the_same_jsonl(vision_fold
     ours = HF(path=str(tmp_path / "hf")).load_or_tokenize(tokenizer, 0).val
     theirs = JSON(json_path=path, val_path=path).tokenize(tokenizer, 0).val
     assert len(ours) == len(theirs) == len(rows) > 1
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"]) and a["images"] == b["images"]
+
+    def same(a, b):
+        return torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"]) and a["images"] == b["images"]
+
+    assert all(same(a, b) for a, b in zip(ours, theirs))
+    # Streamed (--data.streaming true): validation records from the head of the split, training records encoded as reached,
+    # the same samples; one longer than --data.max_seq_length with its image tokens (never cut) carries no target.
+    streamed = HF(path=str(tmp_path / "hf"), streaming=True, val_samples=len(rows)).load_or_tokenize(tokenizer, 0)
+    assert streamed.train.images and streamed.scoring == [] and all(same(a, b) for a, b in zip(streamed.val, theirs))
+    records = list(streamed.train.stream.records(0, 0))
+    assert all(same(streamed.train.encode(row, i), theirs[i]) for i, row in records)
+    longest = max(len(s["input_ids"]) for s in theirs)
+    short = HF(path=str(tmp_path / "hf"), streaming=True, val_samples=0, max_seq_length=longest - 1).load_or_tokenize(tokenizer, 0)
+    cut = [short.train.encode(row, i) for i, row in records]
+    assert any(s["images"] == [] and (s["labels"] == -100).all() and len(s["input_ids"]) == 1 for s in cut)
+    assert any(same(s, theirs[i]) for s, (i, _) in zip(cut, records))
+    # A run on the stream alone (no validation records to tell): its batches get their image tensors from the processor.
+    from litft.cli.jobs import JOBS
+    from litft.config import EvalArgs, TrainArgs
+
+    result = JOBS["finetune_lora"](str(vision_folders["idefics3"]), out_dir=tmp_path / "run", accelerator="cpu", logger_name="csv",
+                                   data=HF(path=str(tmp_path / "hf"), streaming=True, val_samples=0),
+                                   train=TrainArgs(global_batch_size=2, micro_batch_size=1, max_steps=2, save_interval=None),
+                                   eval=EvalArgs(interval=10**6, initial_validation=False, final_validation=False))
+    assert len([h for h in result.history if "loss" in h]) == 2
 
 
 def test_qlora_keeps_the_image_encoder_and_projector_in_16_bits(vision_folders):
