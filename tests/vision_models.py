@@ -159,6 +159,25 @@ def mistral3(folder: Path):
     return config, processor
 
 
+def mllama(folder: Path):
+    """Mllama (Llama 3.2 Vision) with its own processor: images in tiles by aspect ratio, read by cross-attention layers
+    inside the language model (the processor's cross_attention_mask says which tokens see which image)."""
+    import transformers
+
+    tok = tokenizer_with({"image_token": "<|image|>", "bos_token": "<|begin_of_text|>"})
+    tok.add_special_tokens({"extra_special_tokens": ["<|python_tag|>"]}, replace_extra_special_tokens=False)
+    images = transformers.MllamaImageProcessorPil(size={"height": 32, "width": 32}, max_image_tiles=2)
+    processor = transformers.MllamaProcessor(image_processor=images, tokenizer=tok, chat_template=TEMPLATE.replace("PLACEHOLDER", "<|image|>"))
+    text = {k: v for k, v in TEXT.items() if k != "max_position_embeddings"}
+    text.update(vocab_size=len(tok), cross_attention_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4, image_size=32,
+                  patch_size=8, max_num_tiles=2, intermediate_layers_indices=[0], vision_output_dim=64,
+                  supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+    config = transformers.MllamaConfig(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<|image|>"))
+    return config, processor
+
+
 @dataclass(frozen=True)
 class VisionModel:
     name: str
@@ -175,6 +194,7 @@ VISION_MODELS = [
     VisionModel("qwen2.5-vl", qwen_vl("Qwen2_5_VLConfig"), "windowed vision attention, 3-D rotary positions (a stand-in processor)"),
     VisionModel("qwen3-vl", qwen_vl("Qwen3VLConfig"), "deepstack features into the language model's layers, 3-D rotary (a stand-in processor)"),
     VisionModel("mistral3", mistral3, "Pixtral's encoder: 2-D rotary patches cropped by each image's size, merged 2 x 2 (a stand-in processor)"),
+    VisionModel("mllama", mllama, "cross-attention layers read the image tiles (aspect-ratio tiling, a cross-attention mask)"),
     VisionModel("paddleocr-vl", paddleocr_vl, "dynamic resolution: tokens per image by its size, 3-D rotary positions (Qwen-VL's mechanisms)"),
 ]
 
@@ -189,6 +209,8 @@ def save_vision_model(model: VisionModel, folder: Path, seed: int = 0) -> Path:
     for name, param in built.named_parameters():
         if name.endswith("mm_input_projection_weight"):  # Gemma 3 starts it at zero: the image would reach the loss as nothing
             torch.nn.init.normal_(param, std=0.2)
+        if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):  # Mllama's gates start closed, as Gemma 3's projection
+            torch.nn.init.constant_(param, 0.7)
     built.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder

@@ -9,7 +9,7 @@ import functools
 import inspect
 import threading
 import types
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -24,22 +24,32 @@ ENCODER_NAMES = ("vision_tower", "vision_model", "visual", "vision_encoder", "im
 PROJECTOR_NAMES = ("merger", "projector", "connector")
 
 
+# Models whose causal-LM class is their text model alone, trained by litft as the image-text-to-text model all the same:
+# Mllama (Llama 3.2 Vision), whose images reach the language model through cross-attention layers inside it.
+SEEN_THROUGH_THEIR_OWN_CLASS = ("mllama",)
+
+
 def sees_images(config) -> bool:
     """A vision-language model's config, as litft builds it: an image-text-to-text model with an image encoder, whose
-    causal-LM class (where transformers has one) is that same model. Where the causal-LM class is the text model alone
-    (Qwen3.5, Llama 4, Mllama), litft trains that, as before it read images."""
+    causal-LM class (where transformers has one) is that same model, or one of ``SEEN_THROUGH_THEIR_OWN_CLASS``. Where the
+    causal-LM class is the text model alone (Qwen3.5, Llama 4), litft trains that, as before it read images."""
     kind = config.model_type
     if kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is None:
         return False
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[kind]) == MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[kind]
+    own = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[kind]
+    return kind in SEEN_THROUGH_THEIR_OWN_CLASS or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind, own) == own
 
 
 def auto_model_class(config):
-    """transformers' auto class for ``config``: the causal LM's where it has one, else image-text-to-text for a model that
-    sees images (LLaVA, Idefics3, PaddleOCR-VL have no causal-LM class at all)."""
+    """transformers' auto class for ``config``: the causal LM's where it builds the model litft trains, else image-text-to-text
+    for a model that sees images (LLaVA, Idefics3, PaddleOCR-VL have no causal-LM class at all; Mllama's is its text model)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if sees_images(config) and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModelForCausalLM
+    kind = config.model_type
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)
+    if sees_images(config) and causal != MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[kind]:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def _in_encoder(name: str) -> bool:
@@ -190,7 +200,7 @@ class ImageInputs:
             n = min(int(batch["real"][row].sum()) if "real" in batch else width, covered[row])
             if theirs.shape[0] < n or not torch.equal(theirs[:n].to(mine.device), mine[:n]):
                 raise LitftError(CHANGED_PROCESSOR)
-        return self.kept(made, width, batch["input_ids"].device)
+        return self.kept(made, width, batch["input_ids"].device, covered)
 
     def prompts(self, texts: List[str], images: List[List[bytes]], ids: torch.Tensor, mask: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The image tensors and per-token inputs of a generate call's left-padded prompts (``ids``, ``mask``)."""
@@ -202,14 +212,22 @@ class ImageInputs:
             raise LitftError(CHANGED_PROCESSOR)
         return self.kept(made, ids.shape[1], ids.device)
 
-    def kept(self, made: dict, width: int, device) -> Dict[str, torch.Tensor]:
-        """What of the processor's output the model's forward takes, per-token values at the batch's own width."""
+    def kept(self, made: dict, width: int, device, covered: Optional[List[int]] = None) -> Dict[str, torch.Tensor]:
+        """What of the processor's output the model's forward takes, per-token values at the batch's own width: a token past
+        its row's text (``covered``: an RL rollout's completion) takes 0 (text) for a per-token type, and for a per-token
+        mask over the images (Mllama's cross_attention_mask) what the row's last text token has, as generate extends it."""
         out = {}
         for key, value in made.items():
             if key not in self.takes or not isinstance(value, torch.Tensor):
                 continue
-            if value.dim() >= 2 and value.shape[:2] == made["input_ids"].shape:  # one value per token
-                value = torch.nn.functional.pad(value, (0, max(0, width - value.shape[1])))[:, :width]
+            if value.dim() >= 2 and value.shape[:2] == made["input_ids"].shape:  # one value (or a row of them) per token
+                grown = value.new_zeros((value.shape[0], width, *value.shape[2:]))
+                for row in range(value.shape[0]):
+                    n = min(covered[row] if covered is not None else width, value.shape[1], width)
+                    grown[row, :n] = value[row, :n]
+                    if value.dim() > 2 and 0 < n < width:
+                        grown[row, n:] = value[row, n - 1]
+                value = grown
             out[key] = value.to(device, non_blocking=True)
         return out
 
@@ -287,8 +305,22 @@ def has_pixels(vision) -> bool:
     return bool(vision) and any("pixel" in key and value.numel() for key, value in vision.items())
 
 
-def check_images_fit(config, has_images: bool) -> None:
-    """Image records need a model that sees images."""
+# Models whose text-only sample computes differently beside an image sample than alone: Mllama's cross-attention layers
+# add what a text row reads from the batch's padded image (only their MLP part is masked for rows without an image).
+IMAGE_IN_EVERY_RECORD = ("mllama",)
+
+
+def check_images_fit(config, has_images: bool, data=None) -> None:
+    """Image records need a model that sees images; Mllama needs an image in every record (``data``: the prepared data)."""
+    if has_images and config.model_type in IMAGE_IN_EVERY_RECORD and data is not None:
+        lists = [samples for samples in (data.train, data.val) if isinstance(samples, list)]
+        if len(lists) < 2:
+            raise LitftError(f"{config.model_type} needs an image in every record, which a stream cannot promise; set --data.streaming false")
+        text = sum(1 for samples in lists for sample in samples if not sample.get("images"))
+        if text:
+            raise LitftError(f"{text} record(s) of the data carry no image, and {config.model_type} computes a text record beside an image "
+                             "record differently from it alone (its cross-attention reads the batch's padded image); give every record "
+                             "an image, or train the text records in a run of their own")
     if has_images and not sees_images(config):
         if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and getattr(config, "vision_config", None) is not None:
             raise LitftError(f"the data's records carry images, and litft trains {config.model_type}'s text model (transformers' causal-LM "

@@ -36,7 +36,7 @@ from litft.model.flops import StepFlops
 from litft.model.fp8 import describe as describe_fp8
 from litft.model.generation import Generation
 from litft.model.loading import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
-from litft.model.vision import EncoderStandIn, ImageInputs, check_images_fit, sees_images
+from litft.model.vision import IMAGE_IN_EVERY_RECORD, EncoderStandIn, ImageInputs, check_images_fit, sees_images
 from litft.model.vision import describe as describe_vision
 from litft.objectives import build_objective
 from litft.parallel.mesh import Mesh
@@ -154,7 +154,7 @@ class Trainer:
 
         self.tokenizer, self.data, resume_from = rank_zero_first(fabric, load, "loading the tokenizer and data")
         self.sees_images = samples_see_images(self.data)
-        check_images_fit(self.config, self.sees_images)
+        check_images_fit(self.config, self.sees_images, self.data)
         if self.sees_images and spec.eval.score_samples:
             raise LitftError("--eval.score_samples scores answers generated from text prompts, and image records are not scored by "
                              "generation yet; set it to 0 (val_loss is computed as usual)")
@@ -198,7 +198,8 @@ class Trainer:
         if self.sees_images:
             processor = load_processor(resolve_model(spec.tokenizer or spec.model))
             self.lm.images = ImageInputs(processor, self.lm.hf_model)
-            if self.strategy.gathers_weights and fabric.world_size > 1:  # every rank runs the sharded encoder in every forward
+            # Every rank runs the sharded encoder in every forward (where every record has an image, it always has one).
+            if self.strategy.gathers_weights and fabric.world_size > 1 and self.config.model_type not in IMAGE_IN_EVERY_RECORD:
                 self.lm.stand_in = EncoderStandIn(processor, self.lm.hf_model)
         if self.lm.sees_images:
             fabric.print(describe_vision(self.lm.hf_model, spec.train.vision_encoder, spec.lora is not None))

@@ -153,7 +153,11 @@ def test_image_models_refuse_what_they_cannot_run_yet(vision_folders, shapes, tm
                               logger_name="csv")
     with pytest.raises(LitftError, match="vision-language model"):
         JOBS["finetune_lora"](source, out_dir=tmp_path / "b", data=JSON(json_path=train), compile=True, accelerator="cpu", logger_name="csv")
-    assert not any((tmp_path / name).exists() for name in "abc")
+    # Mllama computes a text record beside an image record otherwise than alone: every record needs an image.
+    with pytest.raises(LitftError, match=r"^1 record\(s\) of the data carry no image, and mllama computes"):
+        JOBS["finetune_lora"](str(vision_folders["mllama"]), out_dir=tmp_path / "d", data=JSON(json_path=train, val_path=shapes[2]),
+                              accelerator="cpu", logger_name="csv")
+    assert not any((tmp_path / name).exists() for name in "abcd")
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
@@ -409,8 +413,9 @@ def test_a_resumed_image_run_matches_the_uninterrupted_one(vision_folders, shape
 
 
 def test_which_configs_train_as_vision_language_models(vision_folders):
-    """A model trains as a VLM where its causal-LM class is the image-text-to-text model itself (Gemma 3) or it has none
-    (LLaVA...); where transformers' causal-LM class is the text model alone (Qwen3.5), litft trains that, as before. A VLM's
+    """A model trains as a VLM where its causal-LM class is the image-text-to-text model itself (Gemma 3), it has none
+    (LLaVA...), or it is Mllama; where transformers' causal-LM class is the text model alone (Qwen3.5, Llama 4), litft trains
+    that, as before. A VLM's
     rows are padded whatever attention is asked for: its own forward makes the positions and masks."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -422,6 +427,8 @@ def test_which_configs_train_as_vision_language_models(vision_folders):
     assert sees_images(load_config(str(vision_folders["gemma3"]))) and sees_images(load_config(str(vision_folders["llava"])))
     assert auto_model_class(load_config(str(vision_folders["llava"]))) is AutoModelForImageTextToText
     assert auto_model_class(load_config(str(vision_folders["gemma3"]))) is AutoModelForCausalLM  # its causal-LM class is the VLM
+    mllama = load_config(str(vision_folders["mllama"]))  # its causal-LM class is the text model: built as the VLM all the same
+    assert sees_images(mllama) and auto_model_class(mllama) is AutoModelForImageTextToText
     qwen = transformers.Qwen3_5Config()
     assert not sees_images(qwen) and auto_model_class(qwen) is AutoModelForCausalLM
     # Image records on a model trained as text: one line, which says whether the model itself could see them.
@@ -449,3 +456,20 @@ def test_lora_targets_by_short_name_stay_in_the_language_model(vision_folders):
     names = resolved_targets(lora, model)
     assert names and all(".language_model." in n and n.rsplit(".", 1)[1] in ("q_proj", "v_proj") for n in names)
     assert any(".vision_tower." in n for n in resolved_targets(lora, model, adapt_encoder=True))
+
+
+def test_tokens_past_a_rows_text_take_text_types_and_the_last_text_tokens_image_mask():
+    """An RL rollout's completion (past the prompt the processor saw): its per-token types are text (0), and Mllama's
+    cross-attention mask goes on as the prompt's last token has it, as generate extends it (by hand: GRPO on Mllama scores
+    its samples within 5e-7 of the sampler's log-probs)."""
+    from litft.model.vision import ImageInputs
+
+    inputs = ImageInputs.__new__(ImageInputs)
+    inputs.takes = {"token_type_ids", "cross_attention_mask"}
+    mask = torch.tensor([[[[1, 0]], [[1, 1]], [[1, 1]]], [[[0, 0]], [[1, 0]], [[0, 0]]]])  # rows x tokens x images x tiles
+    made = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "token_type_ids": torch.tensor([[0, 1, 1], [0, 1, 0]]), "cross_attention_mask": mask}
+    out = inputs.kept(made, 5, "cpu", covered=[3, 2])
+    assert out["token_type_ids"].tolist() == [[0, 1, 1, 0, 0], [0, 1, 0, 0, 0]]
+    assert torch.equal(out["cross_attention_mask"][0], torch.cat([mask[0], mask[0, 2:].expand(2, 1, 2)]))
+    assert torch.equal(out["cross_attention_mask"][1], torch.cat([mask[1, :2], mask[1, 1:2].expand(3, 1, 2)]))
+    assert torch.equal(inputs.kept(made, 3, "cpu")["cross_attention_mask"], mask)  # rows whose text covers them: as made
