@@ -178,6 +178,50 @@ def mllama(folder: Path):
     return config, processor
 
 
+def qwen_vl_own_processor(config_class: str, processor_class: str, video_class: str):
+    """A Qwen-VL model with its own processor, video processor included: where torchvision imports (not on the test
+    machines: REAL_PROCESSORS)."""
+
+    def build(folder: Path):
+        import transformers
+
+        config, stand_in = qwen_vl(config_class)(folder)
+        images = transformers.Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=48 * 48)
+        video = getattr(transformers, video_class)(patch_size=8, merge_size=2, temporal_patch_size=2)
+        processor = getattr(transformers, processor_class)(image_processor=images, tokenizer=stand_in.tokenizer, video_processor=video,
+                                                           chat_template=stand_in.chat_template)
+        return config, processor
+
+    return build
+
+
+def mistral3_own_processor(folder: Path):
+    """Mistral 3 with Pixtral's own processor (row-break and end tokens), where torchvision imports."""
+    import transformers
+
+    tok = tokenizer_with({"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
+    images = transformers.PixtralImageProcessor(size={"longest_edge": 48}, patch_size={"height": 8, "width": 8})
+    processor = transformers.PixtralProcessor(image_processor=images, tokenizer=tok, patch_size=8, spatial_merge_size=2, image_token="[IMG]",
+                                              image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
+                                              chat_template=TEMPLATE.replace("PLACEHOLDER", "[IMG]"))
+    text = dict(TEXT, model_type="mistral", vocab_size=len(tok), head_dim=8, sliding_window=None)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=48,
+                  patch_size=8)
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+                                         spatial_merge_size=2, vision_feature_layer=-1)
+    return config, processor
+
+
+def torchvision_imports() -> bool:
+    import importlib
+
+    try:
+        importlib.import_module("torchvision.transforms.v2.functional")
+    except Exception:  # noqa: BLE001 - absent, or a build that does not load beside this torch
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class VisionModel:
     name: str
@@ -197,6 +241,16 @@ VISION_MODELS = [
     VisionModel("mllama", mllama, "cross-attention layers read the image tiles (aspect-ratio tiling, a cross-attention mask)"),
     VisionModel("paddleocr-vl", paddleocr_vl, "dynamic resolution: tokens per image by its size, 3-D rotary positions (Qwen-VL's mechanisms)"),
 ]
+
+
+# The processors the stand-ins above replace, checked where torchvision imports (by hand here: torch 2.14.1 with torchvision
+# 0.29.1, whose CUDA build runs on the CPU; CI's CPU torch has no torchvision, so these do not run there).
+REAL_PROCESSORS = [
+    VisionModel("qwen2-vl-own-processor", qwen_vl_own_processor("Qwen2VLConfig", "Qwen2VLProcessor", "Qwen2VLVideoProcessor")),
+    VisionModel("qwen2.5-vl-own-processor", qwen_vl_own_processor("Qwen2_5_VLConfig", "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor")),
+    VisionModel("qwen3-vl-own-processor", qwen_vl_own_processor("Qwen3VLConfig", "Qwen3VLProcessor", "Qwen3VLVideoProcessor")),
+    VisionModel("mistral3-own-processor", mistral3_own_processor),
+] if torchvision_imports() else []
 
 
 def save_vision_model(model: VisionModel, folder: Path, seed: int = 0) -> Path:

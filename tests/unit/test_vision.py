@@ -16,7 +16,7 @@ from litft.data.collate import collate
 from litft.errors import LitftError
 from litft.model.loading import load_tokenizer
 from tests.conftest import step_losses
-from tests.vision_models import VISION_MODELS, reference_loss, save_vision_model, shape_image, write_shapes
+from tests.vision_models import REAL_PROCESSORS, VISION_MODELS, reference_loss, save_vision_model, shape_image, write_shapes
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def shapes(tmp_path_factory):
 @pytest.fixture(scope="module")
 def vision_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
-    return {m.name: save_vision_model(m, root / m.name) for m in VISION_MODELS}
+    return {m.name: save_vision_model(m, root / m.name) for m in VISION_MODELS + REAL_PROCESSORS}
 
 
 def as_litft_builds_it(folder):
@@ -46,7 +46,7 @@ def as_litft_builds_it(folder):
     return lm
 
 
-@pytest.mark.parametrize("model", VISION_MODELS, ids=[m.name for m in VISION_MODELS])
+@pytest.mark.parametrize("model", VISION_MODELS + REAL_PROCESSORS, ids=[m.name for m in VISION_MODELS + REAL_PROCESSORS])
 def test_loss_and_gradients_equal_transformers(model, vision_folders, shapes):
     """Micro-batches of two padded rows (images batched as the processor batches them, one row without an image): the summed
     loss to 1e-5 and every gradient to 1e-4 of its norm (the key biases' gradients are zero in exact arithmetic: noise)."""
