@@ -151,12 +151,18 @@ def mistral3(folder: Path):
     images = transformers.PixtralImageProcessorPil(size={"longest_edge": 32}, patch_size={"height": 16, "width": 16})
     processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=16, vision_feature_select_strategy="full",
                                             num_additional_image_tokens=0, chat_template=TEMPLATE.replace("PLACEHOLDER", "[IMG]"))
+    return mistral3_config(tok, 32), processor
+
+
+def mistral3_config(tok, image_size: int):
+    """Mistral 3's tiny config: Pixtral's encoder (8-pixel patches, merged 2 x 2) before a Mistral language model."""
+    import transformers
+
     text = dict(TEXT, model_type="mistral", vocab_size=len(tok), head_dim=8, sliding_window=None)
-    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
-                  patch_size=8)
-    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("[IMG]"),
-                                         spatial_merge_size=2, vision_feature_layer=-1)
-    return config, processor
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=image_size, patch_size=8)
+    return transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+                                       spatial_merge_size=2, vision_feature_layer=-1)
 
 
 def mllama(folder: Path):
@@ -204,12 +210,7 @@ def mistral3_own_processor(folder: Path):
     processor = transformers.PixtralProcessor(image_processor=images, tokenizer=tok, patch_size=8, spatial_merge_size=2, image_token="[IMG]",
                                               image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]",
                                               chat_template=TEMPLATE.replace("PLACEHOLDER", "[IMG]"))
-    text = dict(TEXT, model_type="mistral", vocab_size=len(tok), head_dim=8, sliding_window=None)
-    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=48,
-                  patch_size=8)
-    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("[IMG]"),
-                                         spatial_merge_size=2, vision_feature_layer=-1)
-    return config, processor
+    return mistral3_config(tok, 48), processor
 
 
 def torchvision_imports() -> bool:
