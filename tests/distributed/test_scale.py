@@ -95,12 +95,12 @@ def test_out_dir_that_nodes_do_not_share_is_named(tmp_path):
 
 
 def test_rank_zero_tokenizing_longer_than_the_process_group_timeout_does_not_kill_the_run(tmp_path):
-    """Rank 0 tokenizes for 25 s under a 15 s process-group timeout (the shortest that lets two processes meet here):
+    """Rank 0 tokenizes for 20 s under a 15 s process-group timeout (the shortest that lets two processes meet here):
     the other rank waits on the store, not in a collective."""
     out = tmp_path / "slow"
     proc = run_cli(
         "finetune_full", *SMALL, "--data", "tests.distributed.slow_data.SlowTinyTasks", "--data.num_train", "32", "--data.num_val", "4",
-        "--data.delay", "25",
+        "--data.delay", "20",
         "--devices", "2", "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--out_dir", out, timeout=240, check=False,
         env={"LITFT_PROCESS_GROUP_TIMEOUT": "15"},
     )
