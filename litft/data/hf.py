@@ -245,6 +245,11 @@ class HF(InstructionData):
         val_name = self.val_split or next((name for name in VAL_SPLITS if name in splits and name != self.split), None)
         return splits[self.split], splits.get(val_name) if val_name else None
 
+    def stream_splits(self) -> Tuple[object, Optional[object]]:
+        """The splits as streams, their images (where the dataset declares Image values) left as the files' bytes."""
+        train, val = self.splits(streaming=True)
+        return undecoded_images(train), undecoded_images(val) if val is not None else None
+
     def layout(self, column_names: List[str]) -> Layout:
         """The dataset's form, found from its columns (after --data.columns renames them)."""
         names = set(column_names)

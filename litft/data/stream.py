@@ -122,10 +122,7 @@ class StreamSource:
 
 def streamed(module, tokenizer, seed: int) -> PreparedData:
     """``module`` (an HF data module) read as a stream: validation records tokenized now, training records as training reaches them."""
-    from litft.data.hf import undecoded_images
-
-    train, val = module.splits(streaming=True)
-    train, val = undecoded_images(train), undecoded_images(val) if val is not None else None
+    train, val = module.stream_splits()
     names = train.column_names or list(next(iter(train), {}).keys())
     if not names:
         raise LitftError(f"the training split of dataset {module.path!r} is empty")
