@@ -175,7 +175,7 @@ def mllama(folder: Path):
     images = transformers.MllamaImageProcessorPil(size={"height": 32, "width": 32}, max_image_tiles=2)
     processor = transformers.MllamaProcessor(image_processor=images, tokenizer=tok, chat_template=TEMPLATE.replace("PLACEHOLDER", "<|image|>"))
     text = {k: v for k, v in TEXT.items() if k != "max_position_embeddings"}
-    text.update(vocab_size=len(tok), cross_attention_layers=[1], rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    text.update(vocab_size=len(tok), cross_attention_layers=[0], rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                 pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4, image_size=32,
                   patch_size=8, max_num_tiles=2, intermediate_layers_indices=[0], vision_output_dim=64,

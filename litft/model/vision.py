@@ -305,22 +305,26 @@ def has_pixels(vision) -> bool:
     return bool(vision) and any("pixel" in key and value.numel() for key, value in vision.items())
 
 
-# Models whose text-only sample computes differently beside an image sample than alone: Mllama's cross-attention layers
-# add what a text row reads from the batch's padded image (only their MLP part is masked for rows without an image).
+# Models whose record computes otherwise beside a record with another number of images than alone: Mllama's
+# cross-attention lets a token that sees no image yet (a text record's, or those before a record's first image) attend
+# over every image slot of the batch, padded ones included (only the layers' MLP part is masked for it).
 IMAGE_IN_EVERY_RECORD = ("mllama",)
 
 
 def check_images_fit(config, has_images: bool, data=None) -> None:
-    """Image records need a model that sees images; Mllama needs an image in every record (``data``: the prepared data)."""
+    """Image records need a model that sees images; Mllama needs the same number of images, at least one, in every record
+    (``data``: the prepared data)."""
     if has_images and config.model_type in IMAGE_IN_EVERY_RECORD and data is not None:
         lists = [samples for samples in (data.train, data.val) if isinstance(samples, list)]
         if len(lists) < 2:
-            raise LitftError(f"{config.model_type} needs an image in every record, which a stream cannot promise; set --data.streaming false")
-        text = sum(1 for samples in lists for sample in samples if not sample.get("images"))
-        if text:
-            raise LitftError(f"{text} record(s) of the data carry no image, and {config.model_type} computes a text record beside an image "
-                             "record differently from it alone (its cross-attention reads the batch's padded image); give every record "
-                             "an image, or train the text records in a run of their own")
+            raise LitftError(f"{config.model_type} needs the same number of images in every record, which a stream cannot promise; "
+                             "set --data.streaming false")
+        counts = sorted({len(sample.get("images") or []) for samples in lists for sample in samples})
+        if len(counts) > 1 or counts[0] == 0:
+            raise LitftError(f"the data's records carry {' to '.join(map(str, counts[:: max(1, len(counts) - 1)]))} images, and "
+                             f"{config.model_type} computes a record beside one with another number of images otherwise than alone "
+                             "(its cross-attention reads the batch's padded image slots); give every record the same number of images, "
+                             "at least one (Llama 3.2 Vision takes one), and train text records in a run of their own")
     if has_images and not sees_images(config):
         if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and getattr(config, "vision_config", None) is not None:
             raise LitftError(f"the data's records carry images, and litft trains {config.model_type}'s text model (transformers' causal-LM "
