@@ -40,18 +40,20 @@ CASES = {
 
 
 # Vision-language models on the coloured-shapes images (tests/vision_models.py): FSDP wraps the image encoder's blocks as
-# units too (Gemma 3, full fine-tuning, the encoder frozen); ZeRO-3 partitions it under LoRA and under full fine-tuning, where
-# the projector trains (PaddleOCR-VL's 3-D positions; its projector's layers, run once per image by transformers, run once a
-# forward, as the ranks' micro-batches hold 2, 1 and 0 images).
+# units too (Gemma 3, full fine-tuning, the encoder frozen); ZeRO-3 partitions it under LoRA (Mllama: its encoder and
+# projector frozen leaves, the images read by cross-attention layers inside the language model, on records with an image
+# each, as Mllama needs) and under full fine-tuning, where the projector trains (PaddleOCR-VL's 3-D positions; its
+# projector's layers, run once per image by transformers, run once a forward, as the ranks' micro-batches hold 2, 1 and 0
+# images). The last field: the data's folder.
 VISION_CASES = {
-    "fsdp-vision": ("gemma3", "finetune_full", ["--strategy", "fsdp", "--devices", "2"]),
-    "zero3-vision-lora": ("paddleocr-vl", "finetune_lora", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"]),
-    "zero3-vision-full": ("paddleocr-vl", "finetune_full", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"]),
+    "fsdp-vision": ("gemma3", "finetune_full", ["--strategy", "fsdp", "--devices", "2"], "shapes"),
+    "zero3-vision-lora": ("mllama", "finetune_lora", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"], "images"),
+    "zero3-vision-full": ("paddleocr-vl", "finetune_full", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"], "shapes"),
 }
 
 
-def vision_flags(root):
-    return ["--data", "JSON", "--data.json_path", root / "shapes" / "train.jsonl", "--data.val_path", root / "shapes" / "val.jsonl",
+def vision_flags(root, data="shapes"):
+    return ["--data", "JSON", "--data.json_path", root / data / "train.jsonl", "--data.val_path", root / data / "val.jsonl",
             *COMMON[6:], "--train.micro_batch_size", "2"]
 
 
@@ -70,11 +72,12 @@ def runs(tmp_path_factory):
     # 8 text records after the 16 image ones: one of rank 1's first micro-batches holds two of them (checked), so under FSDP and ZeRO-3
     # it runs the sharded encoder on the stand-in image while rank 0 runs it on pictures (litft.model.vision.EncoderStandIn).
     write_shapes(batch.root / "shapes", 16, 0, text_only=8), write_shapes(batch.root / "shapes", 4, 1, "val.jsonl")
+    write_shapes(batch.root / "images", 16, 2), write_shapes(batch.root / "images", 4, 3, "val.jsonl")
     assert any(all(i >= 16 for i in micro) for micro in SampleOrder(24, 8, 2, 1, 2, 42).micro_batches(0, 0))
-    for case, (name, job, flags) in VISION_CASES.items():
+    for case, (name, job, flags, data) in VISION_CASES.items():
         folder = save_vision_model(next(m for m in VISION_MODELS if m.name == name), batch.root / f"model-{name}")
-        batch.add(f"single-{case}", 1, job, folder, *vision_flags(batch.root))
-        batch.add(case, 2, job, folder, *vision_flags(batch.root), *flags)
+        batch.add(f"single-{case}", 1, job, folder, *vision_flags(batch.root, data))
+        batch.add(case, 2, job, folder, *vision_flags(batch.root, data), *flags)
     return batch
 
 
