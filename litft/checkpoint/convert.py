@@ -8,6 +8,7 @@ the checkpoint. Frozen base weights (LoRA) are read tensor by tensor from the mo
 the run started from.
 """
 
+import copy
 import errno
 import json
 import math
@@ -182,12 +183,25 @@ def _write_model(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict
         raise LitftError(f"the checkpoint trained {left[0]}, which cannot be merged into the model; convert with --merge_lora false")
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
+    config = config_of(model, config)
     config.dtype = out_dtype
     config.save_pretrained(staging)
     generation = locate_checkpoint(source) / "generation_config.json"
     if generation.is_file():
         shutil.copy(generation, staging / generation.name)
     save_processing(run_config, meta, staging, config)
+
+
+def config_of(model, config):
+    """The config that describes what was exported: the class written (``architectures``), and where that class is the text
+    model of a composite folder (Llama 4 and Qwen3.5 checkpoints trained as their causal-LM class), its text config, so that
+    the folder loads as the model it holds rather than as the image-text model it came from."""
+    config_class = getattr(type(model), "config_class", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if config_class is not None and not isinstance(config, config_class) and isinstance(text, config_class):
+        config = copy.deepcopy(text)
+    config.architectures = [type(model).__name__]
+    return config
 
 
 def model_from_checkpoint(path: Path, dtype: Optional[torch.dtype] = None):

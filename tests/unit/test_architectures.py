@@ -354,3 +354,24 @@ def test_packing_a_state_carrying_model_is_refused_in_one_line(folders, tmp_path
     with pytest.raises(LitftError, match="--data.packing puts several samples in one row, and mamba's") as refusal:
         JOBS["finetune_full"](str(folders["mamba"]), out_dir=tmp_path / "run", data=TinyTasks(num_train=8, packing=True), accelerator="cpu")
     assert "\n" not in str(refusal.value)
+
+
+def test_a_composite_folder_trained_as_its_text_model_exports_a_text_model_folder():
+    """A Llama 4 checkpoint as the hub holds it (Llama4ForConditionalGeneration, a composite config) trains as transformers'
+    causal-LM class, its text model: the export's config is the text config naming that class, so the folder loads as the
+    weights it holds (it named the image-text class before, which loaded none of them). Other folders keep their config."""
+    import transformers
+
+    from litft.checkpoint.convert import config_of
+    from litft.model.weights import skeleton
+
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, attention_chunk_size=6, num_local_experts=2)
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, image_size=32, patch_size=8,
+                  projector_input_dim=64, projector_output_dim=64, vision_output_dim=64)
+    composite = transformers.Llama4Config(text_config=text, vision_config=vision, architectures=["Llama4ForConditionalGeneration"])
+    written = config_of(skeleton(composite, torch.float32), composite)
+    assert written.model_type == "llama4_text" and written.architectures == ["Llama4ForCausalLM"] and written.hidden_size == 32
+    assert composite.architectures == ["Llama4ForConditionalGeneration"]  # the source's config is left as it was
+    plain = ARCHITECTURES[0].build()
+    assert config_of(skeleton(plain, torch.float32), plain) is plain and plain.architectures == ["LlamaForCausalLM"]
