@@ -20,7 +20,7 @@ from litft.data.samples import pack
 from litft.errors import LitftError
 from litft.model.loading import check_architecture, load_config, own_mask_layers
 from litft.model.recurrent import carries_state
-from tests.architectures import ARCHITECTURES, VOCAB, as_litft_builds_it, reference, samples, save_tiny
+from tests.architectures import ARCHITECTURES, COMMON, VOCAB, as_litft_builds_it, reference, samples, save_tiny
 from tests.varlen_standins import STANDINS
 
 TRAINED = [a for a in ARCHITECTURES if a.refused is None]
@@ -357,7 +357,7 @@ def test_packing_a_state_carrying_model_is_refused_in_one_line(folders, tmp_path
 
 
 def test_a_composite_folder_trained_as_its_text_model_exports_a_text_model_folder():
-    """A Llama 4 checkpoint as the hub holds it (Llama4ForConditionalGeneration, a composite config) trains as transformers'
+    """A Llama 4 or Qwen3.5 checkpoint as the hub holds it (the image-text class, a composite config) trains as transformers'
     causal-LM class, its text model: the export's config is the text config naming that class, so the folder loads as the
     weights it holds (it named the image-text class before, which loaded none of them). Other folders keep their config."""
     import transformers
@@ -373,5 +373,9 @@ def test_a_composite_folder_trained_as_its_text_model_exports_a_text_model_folde
     written = config_of(skeleton(composite, torch.float32), composite)
     assert written.model_type == "llama4_text" and written.architectures == ["Llama4ForCausalLM"] and written.hidden_size == 32
     assert composite.architectures == ["Llama4ForConditionalGeneration"]  # the source's config is left as it was
+    qwen = transformers.Qwen3_5Config(text_config=dict(COMMON, layer_types=["linear_attention", "full_attention"], head_dim=8),
+                                      vision_config=dict(depth=1, hidden_size=32, num_heads=4, out_hidden_size=32))
+    written = config_of(skeleton(qwen, torch.float32), qwen)
+    assert written.model_type == "qwen3_5_text" and written.architectures == ["Qwen3_5ForCausalLM"]
     plain = ARCHITECTURES[0].build()
     assert config_of(skeleton(plain, torch.float32), plain) is plain and plain.architectures == ["LlamaForCausalLM"]
