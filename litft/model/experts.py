@@ -14,7 +14,7 @@ Older transformers, without the interface, keep the model's own loop.
 
 import contextlib
 import threading
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -86,6 +86,11 @@ def is_experts(module: torch.nn.Module) -> bool:
 ROUTERS_OUTSIDE_THE_INTERFACE = ("Llama4Router",)
 
 
+def routers_outside_the_interface(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """(name, router) of each MoE router outside the experts interface (Llama 4's: an nn.Linear returning scores and logits)."""
+    return [(name, module) for name, module in model.named_modules() if type(module).__name__ in ROUTERS_OUTSIDE_THE_INTERFACE]
+
+
 def experts_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     return [module for module in model.modules() if is_experts(module)]
 
@@ -124,7 +129,7 @@ class ExpertLoad:
         layers = experts_modules(model)
         if layers:
             return cls(layers)
-        routers = [module for module in model.modules() if type(module).__name__ in ROUTERS_OUTSIDE_THE_INTERFACE]
+        routers = [module for _, module in routers_outside_the_interface(model)]
         return cls(routers, routers=True) if routers else None
 
     def _router_counter(self, position: int):

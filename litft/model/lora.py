@@ -19,7 +19,7 @@ from transformers import BitsAndBytesConfig
 
 from litft.config import QUANTIZE_CHOICES, LoraArgs
 from litft.errors import LitftError
-from litft.model.experts import ROUTERS_OUTSIDE_THE_INTERFACE, is_experts
+from litft.model.experts import is_experts, routers_outside_the_interface
 from litft.model.recurrent import carries_state
 from litft.model.vision import beside_language_model, lora_targets, sees_images
 
@@ -80,7 +80,7 @@ def resolved_targets(lora: LoraArgs, model, adapt_encoder: bool = False):
         chosen = None if lora.targets == "all-linear" else set(lora.targets)
         return [name for name in lora_targets(model, adapt_encoder) if name not in left_out
                 and (chosen is None or name in chosen or name.rpartition(".")[2] in chosen)]
-    routers = [name for name, module in model.named_modules() if type(module).__name__ in ROUTERS_OUTSIDE_THE_INTERFACE]
+    routers = [name for name, _ in routers_outside_the_interface(model)]
     if lora.targets != "all-linear" or not (carries_state(model.config) or routers):
         return lora.targets
     # A router that subclasses nn.Linear but returns (scores, logits) (Llama 4's) is no linear layer to adapt.

@@ -16,7 +16,6 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from litft.data.images import open_image, processor_call
 from litft.errors import LitftError
-from litft.model.experts import ROUTERS_OUTSIDE_THE_INTERFACE
 
 # Where transformers' vision-language models keep their image encoder, and the names of projectors kept inside one
 # (Qwen-VL's merger); a projector anywhere else is neither encoder nor language model, and trains with the latter.
@@ -154,7 +153,7 @@ def lora_targets(hf_model, with_encoder: bool) -> List[str]:
     decoder = language_model_name(hf_model) + "."
     head = hf_model.get_output_embeddings()
     return [name for name, module in hf_model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head
-            and type(module).__name__ not in ROUTERS_OUTSIDE_THE_INTERFACE and (name.startswith(decoder) or (with_encoder and _in_encoder(name)))]
+            and (name.startswith(decoder) or (with_encoder and _in_encoder(name)))]
 
 
 def describe(hf_model, encoder: str, lora: bool) -> str:

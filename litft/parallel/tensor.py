@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from litft.errors import LitftError
-from litft.model.experts import ROUTERS_OUTSIDE_THE_INTERFACE
+from litft.model.experts import routers_outside_the_interface
 from litft.model.recurrent import refuse_split
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output feature
@@ -70,10 +70,10 @@ def check_tensor_parallel(config, size: int, quantize: Optional[str] = None) -> 
     from litft.model.weights import per_head_tensors, skeleton, transformer_blocks
 
     model = skeleton(config, torch.float32)
-    router = next((type(m).__name__ for m in model.modules() if type(m).__name__ in ROUTERS_OUTSIDE_THE_INTERFACE), None)
-    if router is not None:
+    routers = routers_outside_the_interface(model)
+    if routers:
         raise LitftError(f"--tensor_parallel does not split {text.model_type}'s experts, which run outside transformers' experts "
-                         f"interface ({router}); drop --tensor_parallel")
+                         f"interface ({type(routers[0][1]).__name__}); drop --tensor_parallel")
     block = transformer_blocks(model)[0]
     planned = block_plan(config)
     if planned is not None:

@@ -205,10 +205,10 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal("vision-rows", lambda f: f.sees_images and (f.packing or f.attention == SEGMENTS), lambda f: (
         f"a vision-language model ({f.model_type}) trains a sample per padded row, with the masks and positions its own forward "
         f"makes; drop --data.packing and use --attn_implementation auto, sdpa or eager"), {"sees_images": True, "packing": True}),
-    Refusal("own-masks-rows", lambda f: f.own_masks is not None and (f.packing or f.context > 1 or f.attention in PACKED_SAFE), lambda f: (
+    # --context_parallel on such a model: check_context_parallel's line (model-split).
+    Refusal("own-masks-rows", lambda f: f.own_masks is not None and (f.packing or f.attention in PACKED_SAFE), lambda f: (
         f"{f.model_type}'s {f.own_masks} layers attend within chunks of the sequence, which only transformers' own masks compute: "
-        "litft trains it a sample per padded row; drop --data.packing and --context_parallel, and use --attn_implementation auto, "
-        "sdpa or eager"), {"own_masks": "chunked_attention", "model_type": "llama4", "packing": True}),
+        "litft trains it a sample per padded row; drop --data.packing and use --attn_implementation auto, sdpa or eager"), {"own_masks": "chunked_attention", "model_type": "llama4", "packing": True}),
     Refusal("vision-state", lambda f: f.sees_images and f.carries_state, lambda f: (
         f"vision-language models whose language model carries state ({f.model_type}) are not checked against transformers yet; "
         "train the text model alone or another vision-language model"), {"sees_images": True, "carries_state": True}),
