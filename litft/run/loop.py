@@ -17,6 +17,7 @@ import torch
 
 from litft.errors import LitftError
 from litft.run.evaluation import score, validate
+from litft.run.metrics import ANOTHER_RANK
 from litft.run.tasks import evaluate_tasks, flat_metrics, harness_model
 
 
@@ -114,7 +115,7 @@ def next_batch(trainer) -> Optional[StepBatch]:
     shared = trainer.context.shared
     targets, tokens, samples, stopping, flops = int(targets), int(tokens) // shared, int(samples) // shared, int(stopping), flops / shared
     if stopping:
-        state.stopped_by = reason or "a signal to another rank"
+        state.stopped_by = reason or ANOTHER_RANK
         trainer.stops.agreed()
         return None
     return StepBatch(micro, targets, tokens, samples, flops, fetch_s)

@@ -191,6 +191,10 @@ class Cadence:
         return bool(self.save_interval) and step % self.save_interval == 0 and step < self.total_steps
 
 
+# Why a rank stops when, as the step's counts were shared, only another rank had been asked to.
+ANOTHER_RANK = "a signal to another rank"
+
+
 class StopRequests:
     """Why this rank wants the run to end after the current step, if it does.
 
@@ -205,6 +209,11 @@ class StopRequests:
         """Every rank stops after this step: a signal's deadline for reaching a step boundary is met."""
         if self.signals is not None:
             self.signals.acknowledge()
+
+    def said(self, stopped_by: str, step: int) -> str:
+        """What the last line names: a signal sent to every rank (Ctrl-C to the process group) may reach this rank just
+        after the counts were shared, and then it is this rank's own reason too."""
+        return (self.reason(step) or stopped_by) if stopped_by == ANOTHER_RANK else stopped_by
 
     def reason(self, step: int) -> Optional[str]:
         if self.signals is not None and self.signals.received is not None:

@@ -308,7 +308,7 @@ class Trainer:
         if state.stopped_by:
             last = self.checkpointer.last_path
             saved = f"checkpoint {last}" if last else "no checkpoint (no step was trained)"
-            fabric.print(f"{spec.job} stopped by {state.stopped_by} after step {state.step}: {saved}; continue with --resume auto")
+            fabric.print(f"{spec.job} stopped by {self.stops.said(state.stopped_by, state.step)} after step {state.step}: {saved}; continue with --resume auto")
             return RunResult(model=model, history=state.history, out_dir=spec.out_dir, final_dir=None)
         divergence = self.strategy.replicas_in_step(self.lm)
         if divergence is not None:

@@ -9,9 +9,8 @@ import torch
 from litft.config import EvalArgs
 
 from litft.objectives.args import ObjectiveArgs
-from litft.errors import LitftError
 from litft.run.loop import LoopState
-from litft.run.metrics import Cadence, SampleLog, StopRequests, Throughput
+from litft.run.metrics import ANOTHER_RANK, Cadence, SampleLog, StopRequests, Throughput
 from litft.objectives import Supervised
 
 
@@ -41,6 +40,17 @@ def test_stop_requests_name_the_signal_first_then_the_step_budget():
     signals.received = "SIGUSR1"
     assert stops.reason(11) == "SIGUSR1"
     assert StopRequests().reason(10**6) is None
+
+
+def test_the_last_line_names_this_ranks_own_signal_when_it_arrived_after_the_counts_were_shared():
+    """Ctrl-C reaches every rank, but one may read its flag a moment before the signal lands (CI saw rank 0 say
+    "a signal to another rank" after printing its own Ctrl-C line)."""
+    signals = Signals()
+    stops = StopRequests(signals)
+    assert stops.said(ANOTHER_RANK, 4) == ANOTHER_RANK  # it never came here
+    signals.received = "SIGINT"
+    assert stops.said(ANOTHER_RANK, 4) == "SIGINT"
+    assert stops.said("SIGTERM", 4) == "SIGTERM"  # a reason agreed before is kept
 
 
 def test_throughput_rates_and_mfu(monkeypatch):
