@@ -65,7 +65,8 @@ def run_batch(commands: List[List[str]], root: Path, world: int, env: Optional[d
 class Batch:
     """Named litft commands, run when a test first asks for a result: one set of processes per world size (ranks that ran
     different jobs before would disagree on DeepSpeed's process-wide numbering), in batches ordered so that a command
-    reading another's out_dir (a resume) runs after it."""
+    reading another's out_dir (a resume) runs after it, with as few sets started as that allows: within a phase the
+    larger worlds run first, so a run resumed on fewer ranks than it was saved on needs no phase of its own."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -77,13 +78,14 @@ class Batch:
         first run's) is returned and added to it."""
         out = out or self.root / name
         args = [*map(str, args), "--out_dir", str(out)]
-        # After every earlier command whose out_dir it reads: in the same batch where that one's world is its own, else a later one.
-        phase = max([c[3] + (c[0] != world) for c in self.commands.values() if any(str(c[2]) in a for a in args[:-2])], default=0)
+        # After every earlier command whose out_dir it reads: in the same phase where that one ran before it (the same world, earlier
+        # in the batch; or a larger world, whose batch runs first), else in a later phase.
+        phase = max([c[3] + (c[0] < world) for c in self.commands.values() if any(str(c[2]) in a for a in args[:-2])], default=0)
         self.commands[name] = (world, args, out, phase)
         return out
 
     def _batches(self) -> List[tuple]:
-        keys = sorted({(c[3], c[0]) for c in self.commands.values()})
+        keys = sorted({(c[3], c[0]) for c in self.commands.values()}, key=lambda key: (key[0], -key[1]))  # larger worlds first
         return [(phase, world, [n for n, c in self.commands.items() if (c[3], c[0]) == (phase, world)]) for phase, world in keys]
 
     def out(self, name: str) -> Path:
@@ -123,7 +125,7 @@ def worker(plan_path: str, rank: str) -> None:
         if distributed:
             os.environ["MASTER_PORT"] = str(case_port(root, index, rank))
         print(f"=== {index}: litft {' '.join(command)}", flush=True)
-        error = None
+        error, started = None, time.perf_counter()
         try:
             main(command)
         except SystemExit as stop:
@@ -136,7 +138,7 @@ def worker(plan_path: str, rank: str) -> None:
             error = f"{type(err).__name__}: {err}"[:2000]
         if rank == "0":
             with open(root / RESULTS, "a") as f:
-                f.write(json.dumps({"index": index, "ok": error is None, "error": error}) + "\n")
+                f.write(json.dumps({"index": index, "ok": error is None, "error": error, "seconds": round(time.perf_counter() - started, 2)}) + "\n")
 
 
 if __name__ == "__main__":
