@@ -15,7 +15,7 @@ from litft.data import JSON
 from litft.data.collate import collate
 from litft.errors import LitftError
 from litft.model.loading import load_tokenizer
-from tests.conftest import step_losses
+from tests.conftest import read_metrics, step_losses
 from tests.vision_models import REAL_PROCESSORS, VISION_MODELS, reference_loss, save_vision_model, shape_image, write_shapes
 
 
@@ -224,15 +224,23 @@ def test_a_datasets_image_column_gives_the_samples_of_the_same_jsonl(vision_fold
     cut = [short.train.encode(row, i) for i, row in records]
     assert any(s["images"] == [] and (s["labels"] == -100).all() and len(s["input_ids"]) == 1 for s in cut)
     assert any(same(s, theirs[i]) for s, (i, _) in zip(cut, records))
-    # A run on the stream alone (no validation records to tell): its batches get their image tensors from the processor.
+    # A run on the stream alone (no validation records to tell): its batches get their image tensors from the processor, and
+    # one resumed from its step-2 checkpoint trains steps 3 and 4 on the same records to the same losses, bitwise.
     from litft.cli.jobs import JOBS
     from litft.config import EvalArgs, TrainArgs
 
-    result = JOBS["finetune_lora"](str(vision_folders["idefics3"]), out_dir=tmp_path / "run", accelerator="cpu", logger_name="csv",
-                                   data=HF(path=str(tmp_path / "hf"), streaming=True, val_samples=0),
-                                   train=TrainArgs(global_batch_size=2, micro_batch_size=1, max_steps=2, save_interval=None),
-                                   eval=EvalArgs(interval=10**6, initial_validation=False, final_validation=False))
-    assert len([h for h in result.history if "loss" in h]) == 2
+    def run(out, **kw):
+        JOBS["finetune_lora"](str(vision_folders["idefics3"]), out_dir=out, accelerator="cpu", logger_name="csv",
+                              data=HF(path=str(tmp_path / "hf"), streaming=True, val_samples=0),
+                              train=TrainArgs(global_batch_size=2, micro_batch_size=1, max_steps=4, save_interval=2, record_sample_ids=True),
+                              eval=EvalArgs(interval=10**6, initial_validation=False, final_validation=False), **kw)
+        ids = [json.loads(line)["ids"] for line in (out / "logs" / "samples" / "rank-00000.jsonl").read_text().splitlines()]
+        return {int(r["step"]): r["loss"] for r in read_metrics(out) if "loss" in r}, ids
+
+    whole, whole_ids = run(tmp_path / "run")
+    resumed, resumed_ids = run(tmp_path / "resumed", resume=str(tmp_path / "run" / "checkpoints" / "step-00000002"))
+    assert sorted(whole) == [1, 2, 3, 4] and sorted(resumed) == [3, 4] and resumed_ids == whole_ids[2:]
+    assert [resumed[s] for s in (3, 4)] == [whole[s] for s in (3, 4)]
 
 
 def test_qlora_keeps_the_image_encoder_and_projector_in_16_bits(vision_folders):
