@@ -39,6 +39,24 @@ def sees_images(config) -> bool:
     return kind in SEEN_THROUGH_THEIR_OWN_CLASS or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind, own) == own
 
 
+def trained_as_text_model(config) -> Optional[str]:
+    """transformers' causal-LM class, where litft trains it for a composite folder (a vision config beside the text one) as the
+    text model alone (Qwen3.5's and Llama 4's hub checkpoints); None for any other folder."""
+    kind = config.model_type
+    if sees_images(config) or kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is None:
+        return None
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)
+
+
+def describe_text_model(config) -> Optional[str]:
+    """The first screen's line for a composite folder trained as its text model: what is left out of the run and its export."""
+    causal = trained_as_text_model(config)
+    if causal is None:
+        return None
+    return (f"vision: this {MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type]} folder trains as its text model, {causal} "
+            "(transformers' causal-LM class): its image encoder is not loaded, and final/ holds the text model alone")
+
+
 def auto_model_class(config):
     """transformers' auto class for ``config``: the causal LM's where it builds the model litft trains, else image-text-to-text
     for a model that sees images (LLaVA, Idefics3, PaddleOCR-VL have no causal-LM class at all; Mllama's is its text model)."""
@@ -325,7 +343,7 @@ def check_images_fit(config, has_images: bool, data=None) -> None:
                              "(its cross-attention reads the batch's padded image slots); give every record the same number of images, "
                              "at least one (Llama 3.2 Vision takes one), and train text records in a run of their own")
     if has_images and not sees_images(config):
-        if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and getattr(config, "vision_config", None) is not None:
+        if trained_as_text_model(config):
             raise LitftError(f"the data's records carry images, and litft trains {config.model_type}'s text model (transformers' causal-LM "
                              "class for it): its images are not wired yet; drop the images or train another vision-language model")
         raise LitftError(f"the data's records carry images, and {config.model_type} models read text only; train a vision-language "

@@ -36,7 +36,7 @@ from litft.model.flops import StepFlops
 from litft.model.fp8 import describe as describe_fp8
 from litft.model.generation import Generation
 from litft.model.loading import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
-from litft.model.vision import IMAGE_IN_EVERY_RECORD, EncoderStandIn, ImageInputs, check_images_fit, sees_images
+from litft.model.vision import IMAGE_IN_EVERY_RECORD, EncoderStandIn, ImageInputs, check_images_fit, describe_text_model, sees_images
 from litft.model.vision import describe as describe_vision
 from litft.objectives import build_objective
 from litft.parallel.mesh import Mesh
@@ -203,6 +203,8 @@ class Trainer:
                 self.lm.stand_in = EncoderStandIn(processor, self.lm.hf_model)
         if self.lm.sees_images:
             fabric.print(describe_vision(self.lm.hf_model, spec.train.vision_encoder, spec.lora is not None))
+        elif describe_text_model(self.config):
+            fabric.print(describe_text_model(self.config))
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
         keep_rotary_fp32(self.lm)
         self.lm.keep_samples_apart_in_kernels(plan.rows == PACKED_WITH_BOUNDARIES)

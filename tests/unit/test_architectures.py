@@ -379,3 +379,31 @@ def test_a_composite_folder_trained_as_its_text_model_exports_a_text_model_folde
     assert written.model_type == "qwen3_5_text" and written.architectures == ["Qwen3_5ForCausalLM"]
     plain = ARCHITECTURES[0].build()
     assert config_of(skeleton(plain, torch.float32), plain) is plain and plain.architectures == ["LlamaForCausalLM"]
+
+
+def test_a_composite_folder_says_on_its_first_screen_that_it_trains_its_text_model(tmp_path, capsys):
+    """A Qwen3.5 folder as the hub holds it (the image-text class, saved whole) trains as its text model, and the first screen
+    says what that leaves out: a user of the hub checkpoint would otherwise find its image encoder missing from final/."""
+    import json
+
+    import transformers
+
+    from litft.cli.jobs import JOBS
+    from litft.config import EvalArgs, TrainArgs
+    from litft.data import TinyTasks
+    from litft.model.loading import load_tokenizer
+    from litft.model.tiny import ensure_tiny_model
+
+    qwen = transformers.Qwen3_5Config(text_config=dict(COMMON, layer_types=["linear_attention", "full_attention"], head_dim=8),
+                                      vision_config=dict(depth=1, hidden_size=32, num_heads=4, out_hidden_size=32))
+    torch.manual_seed(0)
+    transformers.AutoModelForImageTextToText.from_config(qwen, dtype=torch.float32).save_pretrained(tmp_path / "model")
+    load_tokenizer(str(ensure_tiny_model())).save_pretrained(tmp_path / "model")
+    result = JOBS["finetune_full"](str(tmp_path / "model"), out_dir=tmp_path / "run", data=TinyTasks(num_train=8, num_val=2),
+                                   train=TrainArgs(global_batch_size=2, micro_batch_size=2, max_steps=1, save_interval=None),
+                                   eval=EvalArgs(interval=10**6, initial_validation=False, final_validation=False), accelerator="cpu",
+                                   logger_name="csv")
+    said = capsys.readouterr().out
+    assert ("vision: this Qwen3_5ForConditionalGeneration folder trains as its text model, Qwen3_5ForCausalLM (transformers' "
+            "causal-LM class): its image encoder is not loaded, and final/ holds the text model alone") in said, said[-2000:]
+    assert json.loads((result.final_dir / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
