@@ -128,7 +128,10 @@ def plan_memory(flags: dict) -> dict:
         config._attn_implementation = flags["attention"]
     built = build_objective(objective, lora is not None)
     frozen_dtype = strategy.frozen_base_dtype(precision)
-    tensors = model_tensors(build_model(config, precision, lora, False, frozen_dtype=frozen_dtype), flags["quantize"])
+    model = build_model(config, precision, lora, False, frozen_dtype=frozen_dtype)
+    attention = model.config._attn_implementation  # as built: a composite folder's own config names none for its text model
+    tensors = model_tensors(model, flags["quantize"])
+    del model
     states = memory_layout(strategy, tensors, layout, precision, train, hidden_size=text_config(config).hidden_size, planned=block_plan(config))
     # A context group splits every row: a rank holds its slice's activations, and around attention whole rows of
     # heads / N heads, the same size.
@@ -149,7 +152,7 @@ def plan_memory(flags: dict) -> dict:
         "precision": precision, "quantize": flags["quantize"], "micro_batch_size": train.micro_batch_size, "objective": objective.name,
         "reference": built.describe() or "", "seq_len": flags["seq_len"], "context_parallel": layout.context_parallel,
         "tensor_parallel": layout.tensor_parallel, "expert_parallel": layout.expert_parallel, "experts": experts,
-        "gradient_checkpointing": train.gradient_checkpointing, "attention": config._attn_implementation,
+        "gradient_checkpointing": train.gradient_checkpointing, "attention": attention,
         "activation_offload": train.activation_offload, "tiled_mlp": train.tiled_mlp, "vision": sees_images(config),
         "parameters": {"total": sum(t.numel for t in tensors), "trained": sum(t.numel for t in tensors if t.trainable),
                        "quantized": sum(t.numel for t in tensors if t.quantized)},

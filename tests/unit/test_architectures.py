@@ -407,3 +407,11 @@ def test_a_composite_folder_says_on_its_first_screen_that_it_trains_its_text_mod
     assert ("vision: this Qwen3_5ForConditionalGeneration folder trains as its text model, Qwen3_5ForCausalLM (transformers' "
             "causal-LM class): its image encoder is not loaded, and final/ holds the text model alone") in said, said[-2000:]
     assert json.loads((result.final_dir / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
+    # The estimate counts what trains (the text model) and names the attention it built (the composite config names none).
+    from litft.__main__ import main
+
+    main(["estimate", str(tmp_path / "model"), "--job", "finetune_full", "--seq_len", "32", "--accelerator", "cpu"])
+    text = sum(p.numel() for p in result.model.parameters())
+    assert text < sum(p.numel() for p in transformers.AutoModelForImageTextToText.from_config(qwen).parameters())
+    said = capsys.readouterr().out
+    assert f"{text / 1e3:.2f}K parameters, {text / 1e3:.2f}K trained" in said and ", sdpa attention" in said, said
