@@ -201,10 +201,10 @@ class Trainer:
             # Every rank runs the sharded encoder in every forward (where every record has an image, it always has one).
             if self.strategy.gathers_weights and fabric.world_size > 1 and self.config.model_type not in IMAGE_IN_EVERY_RECORD:
                 self.lm.stand_in = EncoderStandIn(processor, self.lm.hf_model)
-        if self.lm.sees_images:
-            fabric.print(describe_vision(self.lm.hf_model, spec.train.vision_encoder, spec.lora is not None))
-        elif describe_text_model(self.config):
-            fabric.print(describe_text_model(self.config))
+        vision = (describe_vision(self.lm.hf_model, spec.train.vision_encoder, spec.lora is not None) if self.lm.sees_images
+                  else describe_text_model(self.config))
+        if vision:
+            fabric.print(vision)
         self.module, self.optimizer, self.scheduler = self.strategy.setup(fabric, self.lm, fill, on_device)
         keep_rotary_fp32(self.lm)
         self.lm.keep_samples_apart_in_kernels(plan.rows == PACKED_WITH_BOUNDARIES)

@@ -80,8 +80,8 @@ def runs(tmp_path_factory, zero3_two_ranks):
     """Every other run, in batches of long-lived processes (tests/batch.py), each resume in a phase after the run it continues."""
     batch = Batch(tmp_path_factory.mktemp("resume"))
     whole, _ = zero3_two_ranks
-    fsdp4 = ["finetune_full", *COMMON, *FULL_SHARD, "--devices", "4", "--train.micro_batch_size", "2"]
-    four = batch.add("four", 4, *fsdp4)  # resumed below on 2 ranks, then on one; a same-topology resume is the 2-rank ZeRO-3 LoRA's
+    # Resumed below on 2 ranks, then on one; a same-topology resume is the 2-rank ZeRO-3 LoRA's.
+    four = batch.add("four", 4, "finetune_full", *COMMON, *FULL_SHARD, "--devices", "4", "--train.micro_batch_size", "2")
     two = batch.add("two", 2, "finetune_full", *COMMON, "--strategy", "fsdp", "--fsdp.sharding_strategy", "HYBRID_SHARD", "--fsdp.shard_size", "1",
                     "--devices", "2", "--train.micro_batch_size", "2", "--resume", checkpoint(four, 2), *BACKGROUND)
     batch.add("two-one", 1, "finetune_full", *COMMON, "--train.micro_batch_size", "8", "--resume", checkpoint(two, 4))
