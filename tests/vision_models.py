@@ -165,6 +165,35 @@ def mistral3_config(tok, image_size: int):
                                        spatial_merge_size=2, vision_feature_layer=-1)
 
 
+def llama4(folder: Path):
+    """Llama 4 with a stand-in processor: Llama 4's image processor needs torchvision, which these machines lack. LLaVA's
+    processor around SigLIP's resizes every image to one 32 x 32 tile and writes the tokens Llama 4's processor writes for a
+    one-tile image (``<|image_start|><|image|>``, a ``<|patch|>`` per token, ``<|image_end|>``); the model's own code (the
+    tile's patches, the class embedding dropped, the pixel shuffle to a quarter, the projector) runs on it."""
+    import transformers
+
+    tok = tokenizer_with({"image_token": "<|patch|>"})
+    tok.add_special_tokens({"extra_special_tokens": ["<|image_start|>", "<|image|>", "<|image_end|>"]}, replace_extra_special_tokens=False)
+    images = transformers.SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    # Patches of 8 pixels, shuffled 2 x 2 into one token: a token per 16 x 16 pixels.
+    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=16, vision_feature_select_strategy="full",
+                                            num_additional_image_tokens=0,
+                                            chat_template=TEMPLATE.replace("PLACEHOLDER", "<|image_start|><|image|><|patch|><|image_end|>"))
+    return llama4_config(tok), processor
+
+
+def llama4_config(tok):
+    """Llama 4's tiny config: chunked attention and MoE in every other layer, as litft's text case, behind its vision model."""
+    import transformers
+
+    text = dict(TEXT, vocab_size=len(tok), head_dim=8, attention_chunk_size=6, intermediate_size_mlp=64, num_local_experts=4,
+                interleave_moe_layer_step=2, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    # The pixel shuffle's 2 x 2 patches side by side: 128 wide, which the vision adapter's first layer (intermediate_size) reads.
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
+                  vision_output_dim=32, projector_input_dim=32, projector_output_dim=32, pixel_shuffle_ratio=0.5)
+    return transformers.Llama4Config(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids("<|patch|>"))
+
+
 def mllama(folder: Path):
     """Mllama (Llama 3.2 Vision) with its own processor: images in tiles by aspect ratio, read by cross-attention layers
     inside the language model (the processor's cross_attention_mask says which tokens see which image)."""
@@ -213,6 +242,22 @@ def mistral3_own_processor(folder: Path):
     return mistral3_config(tok, 48), processor
 
 
+def llama4_own_processor(folder: Path):
+    """Llama 4 with its own processor, where torchvision imports: an image larger than one tile is cut into 32 x 32 tiles
+    (up to 4) beside its whole resized, with the tile separator tokens between them."""
+    import transformers
+
+    tok = tokenizer_with({"image_token": "<|image|>"})
+    tok.add_special_tokens({"extra_special_tokens": ["<|image_start|>", "<|image_end|>", "<|patch|>", "<|tile_x_separator|>",
+                                                     "<|tile_y_separator|>"]}, replace_extra_special_tokens=False)
+    images = transformers.Llama4ImageProcessor(size={"height": 32, "width": 32}, max_patches=4)
+    processor = transformers.Llama4Processor(image_processor=images, tokenizer=tok, patch_size=8, pixel_shuffle_ratio=0.5,
+                                             chat_template=TEMPLATE.replace("PLACEHOLDER", "<|image|>"))
+    config = llama4_config(tok)
+    config.image_token_index = tok.convert_tokens_to_ids("<|patch|>")
+    return config, processor
+
+
 def torchvision_imports() -> bool:
     import importlib
 
@@ -239,6 +284,7 @@ VISION_MODELS = [
     VisionModel("qwen2.5-vl", qwen_vl("Qwen2_5_VLConfig"), "windowed vision attention, 3-D rotary positions (a stand-in processor)"),
     VisionModel("qwen3-vl", qwen_vl("Qwen3VLConfig"), "deepstack features into the language model's layers, 3-D rotary (a stand-in processor)"),
     VisionModel("mistral3", mistral3, "Pixtral's encoder: 2-D rotary patches cropped by each image's size, merged 2 x 2 (a stand-in processor)"),
+    VisionModel("llama4", llama4, "chunked attention, MoE layers, pixel-shuffled tile patches (a stand-in processor)"),
     VisionModel("mllama", mllama, "cross-attention layers read the image tiles (aspect-ratio tiling, a cross-attention mask)"),
     VisionModel("paddleocr-vl", paddleocr_vl, "dynamic resolution: tokens per image by its size, 3-D rotary positions (Qwen-VL's mechanisms)"),
 ]
@@ -251,6 +297,7 @@ REAL_PROCESSORS = [
     VisionModel("qwen2.5-vl-own-processor", qwen_vl_own_processor("Qwen2_5_VLConfig", "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor")),
     VisionModel("qwen3-vl-own-processor", qwen_vl_own_processor("Qwen3VLConfig", "Qwen3VLProcessor", "Qwen3VLVideoProcessor")),
     VisionModel("mistral3-own-processor", mistral3_own_processor),
+    VisionModel("llama4-own-processor", llama4_own_processor),
 ] if torchvision_imports() else []
 
 
@@ -334,8 +381,11 @@ def reference_loss(folder: Path, records: List[dict], base: Path, model=None):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(folder)
+    from litft.model.vision import answer_as_transformers_expects
+
     if model is None:
         model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    answer_as_transformers_expects(model)  # Llama 4's forward fails without it (transformers 5.24)
     model.train()
     total, count = 0.0, 0
     for record in records:
@@ -346,6 +396,7 @@ def reference_loss(folder: Path, records: List[dict], base: Path, model=None):
                                return_tensors="pt", add_special_tokens=False)["input_ids"]
         inputs = processor(text=[processor.apply_chat_template(whole, tokenize=False)], **images, return_tensors="pt", add_special_tokens=False)
         inputs.pop("attention_mask", None)
+        inputs = {key: value.to(model.dtype) if value.is_floating_point() else value for key, value in inputs.items()}  # Llama 4's are bf16
         labels = inputs["input_ids"].clone()
         labels[:, : prompt_ids.shape[1]] = -100
         logits = model(**inputs).logits.float()

@@ -194,7 +194,7 @@ def _write_model(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict
 
 def config_of(model, config):
     """The config that describes what was exported: the class written (``architectures``), and where that class is the text
-    model of a composite folder (Llama 4 and Qwen3.5 checkpoints trained as their causal-LM class), its text config, so that
+    model of a composite folder (Qwen3.5 checkpoints trained as their causal-LM class), its text config, so that
     the folder loads as the model it holds rather than as the image-text model it came from."""
     config_class = getattr(type(model), "config_class", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

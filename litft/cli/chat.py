@@ -25,7 +25,7 @@ from litft.model.generation import stop_tokens
 from litft.cli.flags import GENERATION, PROMPT, TRAINED_MODEL, command
 from litft.data.images import load_processor, open_image, processor_call
 from litft.model.loading import load_config, load_tokenizer, resolve_model
-from litft.model.vision import auto_model_class, sees_images
+from litft.model.vision import answer_as_transformers_expects, auto_model_class, sees_images
 
 ANSWER_STAND_IN = "x"  # the answer's turn is rendered with a stand-in, to find where the prompt ends
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines splits on
@@ -34,10 +34,12 @@ HELP = "Ctrl-D or /exit quits, /reset starts a new conversation, Ctrl-C stops an
 
 def _from_pretrained(source: str, dtype: torch.dtype):
     try:
-        return auto_model_class(load_config(source)).from_pretrained(source, dtype=dtype).eval()
+        model = auto_model_class(load_config(source)).from_pretrained(source, dtype=dtype).eval()
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise LitftError(f"could not load '{source}' ({first}); pass a model folder, a litft run or checkpoint, or a hub id") from None
+    answer_as_transformers_expects(model)
+    return model
 
 
 def _with_adapter(adapter: Path, dtype: torch.dtype):

@@ -14,7 +14,7 @@ from litft.model.experts import counting_only
 from litft.model.recurrent import carries_state
 from litft.model.loss import fused_head
 from litft.model.offload import ActivationOffload
-from litft.model.vision import has_pixels, sees_images
+from litft.model.vision import answer_as_transformers_expects, has_pixels, sees_images
 from litft.model.weights import transformer_blocks
 
 
@@ -54,6 +54,8 @@ class CausalLM(torch.nn.Module):
         # A vision-language model computes its own positions (3-D rotary in Qwen-VL) and masks (Gemma 3's bidirectional image
         # attention) on padded rows; the image tensors of a batch come from ``images`` (litft.model.vision.ImageInputs).
         self.sees_images = sees_images(self.hf_model.config)
+        if self.sees_images:
+            answer_as_transformers_expects(self.hf_model)
         self.images = None
         self.stand_in = None  # the image encoder run on every rank where its weights are sharded (litft.model.vision.EncoderStandIn)
         self.offload_kind = ActivationOffload  # the estimate's trace counts instead of copying (CountedOffload)

@@ -71,20 +71,21 @@ def peft_config(lora: LoraArgs, model, adapt_encoder: bool = False):
 
 def resolved_targets(lora: LoraArgs, model, adapt_encoder: bool = False):
     """``all-linear`` without what Mamba kernels read past an adapter (:func:`read_past_adapters`): peft refuses those layers
-    for some of these models and would let others lose the adapter on a GPU. A vision-language model's: the language model's
-    linear layers, and the image encoder's with ``adapt_encoder`` (litft.model.vision)."""
+    for some of these models and would let others lose the adapter on a GPU; nor MoE routers that only look linear. A
+    vision-language model's: the language model's linear layers, and the image encoder's with ``adapt_encoder``
+    (litft.model.vision)."""
+    # A router that subclasses nn.Linear but returns (scores, logits) (Llama 4's) is no linear layer to adapt.
+    routers = {name for name, _ in routers_outside_the_interface(model)}
+    left_out = (set(read_past_adapters(model)) if carries_state(model.config) else set()) | routers
     if sees_images(model.config) and (lora.targets == "all-linear" or isinstance(lora.targets, list)):
         # Short names (q_proj...) name layers of the image encoder too: they are taken in the language model, and in the
         # encoder only where it trains.
-        left_out = set(read_past_adapters(model)) if carries_state(model.config) else set()
         chosen = None if lora.targets == "all-linear" else set(lora.targets)
         return [name for name in lora_targets(model, adapt_encoder) if name not in left_out
                 and (chosen is None or name in chosen or name.rpartition(".")[2] in chosen)]
-    routers = [name for name, _ in routers_outside_the_interface(model)]
     if lora.targets != "all-linear" or not (carries_state(model.config) or routers):
         return lora.targets
-    # A router that subclasses nn.Linear but returns (scores, logits) (Llama 4's) is no linear layer to adapt.
-    head, left_out = model.get_output_embeddings(), set(read_past_adapters(model)) | set(routers)
+    head = model.get_output_embeddings()
     return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not head and name not in left_out]
 
 

@@ -24,14 +24,14 @@ PROJECTOR_NAMES = ("merger", "projector", "connector")
 
 
 # Models whose causal-LM class is their text model alone, trained by litft as the image-text-to-text model all the same:
-# Mllama (Llama 3.2 Vision), whose images reach the language model through cross-attention layers inside it.
-SEEN_THROUGH_THEIR_OWN_CLASS = ("mllama",)
+# Mllama (Llama 3.2 Vision), whose images reach the language model through cross-attention layers inside it, and Llama 4.
+SEEN_THROUGH_THEIR_OWN_CLASS = ("mllama", "llama4")
 
 
 def sees_images(config) -> bool:
     """A vision-language model's config, as litft builds it: an image-text-to-text model with an image encoder, whose
     causal-LM class (where transformers has one) is that same model, or one of ``SEEN_THROUGH_THEIR_OWN_CLASS``. Where the
-    causal-LM class is the text model alone (Qwen3.5, Llama 4), litft trains that, as before it read images."""
+    causal-LM class is the text model alone (Qwen3.5), litft trains that, as before it read images."""
     kind = config.model_type
     if kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is None:
         return False
@@ -41,7 +41,7 @@ def sees_images(config) -> bool:
 
 def trained_as_text_model(config) -> Optional[str]:
     """transformers' causal-LM class, where litft trains it for a composite folder (a vision config beside the text one) as the
-    text model alone (Qwen3.5's and Llama 4's hub checkpoints); None for any other folder."""
+    text model alone (Qwen3.5's hub checkpoints); None for any other folder."""
     kind = config.model_type
     if sees_images(config) or kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is None:
         return None
@@ -92,6 +92,21 @@ def beside_language_model(hf_model) -> List[str]:
     holder = hf_model.get_submodule(parent) if parent else hf_model
     return [f"{parent}.{name}" if parent else name for name, child in holder.named_children()
             if name != own and any(True for _ in child.parameters())]
+
+
+def answer_as_transformers_expects(hf_model) -> None:
+    """transformers 5.24's Llama4ForConditionalGeneration.forward reads ``image_outputs`` from its language model's output,
+    which has no such field, and fails on every call: the field is given (None, as the composite's own output would carry
+    it when the encoder's outputs are not asked for). A transformers that fills it itself is left alone."""
+    if type(hf_model).__name__ != "Llama4ForConditionalGeneration":
+        return
+
+    def with_field(module, args, output):
+        if not hasattr(output, "image_outputs"):
+            object.__setattr__(output, "image_outputs", None)
+        return output
+
+    hf_model.language_model.register_forward_hook(with_field)
 
 
 def ready_for_zero3(hf_model) -> None:
@@ -199,6 +214,9 @@ class ImageInputs:
         self.processor = processor
         self.lock = threading.Lock()  # the collate thread and validation share the processor (and its tokenizer's padding state)
         self.takes = set(inspect.signature(hf_model.forward).parameters) - {"input_ids", "attention_mask", "labels", "position_ids"}
+        # Pixels reach the encoder in its own dtype, as transformers' users send them (``.to(model.dtype)``): Llama 4's encoder
+        # does not cast them itself, and fails on float32 pixels under bf16-true.
+        self.encoder = next((m for n, m in hf_model.named_modules() if n.rpartition(".")[2] in ENCODER_NAMES), None)
 
     def ahead(self, batch: dict) -> dict:
         """The batch with its image tensors made (``batch["vision"]``), where the loop's batches are collated a step ahead."""
@@ -234,6 +252,8 @@ class ImageInputs:
         its row's text (``covered``: an RL rollout's completion) takes 0 (text) for a per-token type, and for a per-token
         mask over the images (Mllama's cross_attention_mask) what the row's last text token has, as generate extends it."""
         out = {}
+        params = self.encoder.parameters() if self.encoder is not None else iter(())
+        pixels = next((p.dtype for p in params if p.is_floating_point()), None)
         for key, value in made.items():
             if key not in self.takes or not isinstance(value, torch.Tensor):
                 continue
@@ -245,7 +265,7 @@ class ImageInputs:
                     if value.dim() > 2 and 0 < n < width:
                         grown[row, n:] = value[row, n - 1]
                 value = grown
-            out[key] = value.to(device, non_blocking=True)
+            out[key] = value.to(device, pixels if value.is_floating_point() else None, non_blocking=True)
         return out
 
 
@@ -271,6 +291,9 @@ class EncoderStandIn:
         made = processor_call(processor, [text], [[picture]])
         self.inputs = {key: value for key, value in made.items() if key in takes and isinstance(value, torch.Tensor)}
         self.pending = False
+        # Llama 4's forward runs its projector on what get_image_features gives (a trained projector must run here too). Read
+        # before FSDP renames the class.
+        self.projects_after = type(self.owner).__name__ == "Llama4ForConditionalGeneration"
         hf_model.get_decoder().register_forward_pre_hook(self.before_language_model, with_kwargs=True)
 
     def before_language_model(self, module, args, kwargs):
@@ -288,7 +311,11 @@ class EncoderStandIn:
         """The encoder on the stand-in image: the sum of its outputs."""
         encoder_dtype = next(p.dtype for p in self.owner.parameters() if p.is_floating_point())
         inputs = {key: value.to(device, encoder_dtype if value.is_floating_point() else value.dtype) for key, value in self.inputs.items()}
-        return sum(t.float().sum() for t in float_tensors(self.owner.get_image_features(**inputs)))
+        features = self.owner.get_image_features(**inputs)
+        if self.projects_after:
+            hidden = features.last_hidden_state
+            features = self.owner.multi_modal_projector(hidden.reshape(-1, hidden.shape[-1]))
+        return sum(t.float().sum() for t in float_tensors(features))
 
     def before_generate(self, model) -> None:
         """A generate call without images: the encoder run where transformers runs it on pictures, before the model's forward

@@ -44,9 +44,11 @@ CASES = {
 # projector frozen leaves, the images read by cross-attention layers inside the language model, on records with an image
 # each, as Mllama needs) and under full fine-tuning, where the projector trains (PaddleOCR-VL's 3-D positions; its
 # projector's layers, run once per image by transformers, run once a forward, as the ranks' micro-batches hold 2, 1 and 0
-# images). The last field: the data's folder.
+# images). Llama 4 under FSDP: its MoE language model, and a projector its forward runs outside get_image_features, which
+# the stand-in image must reach too. The last field: the data's folder.
 VISION_CASES = {
     "fsdp-vision": ("gemma3", "finetune_full", ["--strategy", "fsdp", "--devices", "2"], "shapes"),
+    "fsdp-vision-moe": ("llama4", "finetune_full", ["--strategy", "fsdp", "--devices", "2"], "shapes"),
     "zero3-vision-lora": ("mllama", "finetune_lora", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"], "images"),
     "zero3-vision-full": ("paddleocr-vl", "finetune_full", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"], "shapes"),
 }

@@ -423,7 +423,7 @@ def test_a_resumed_image_run_matches_the_uninterrupted_one(vision_folders, shape
 
 def test_which_configs_train_as_vision_language_models(vision_folders):
     """A model trains as a VLM where its causal-LM class is the image-text-to-text model itself (Gemma 3), it has none
-    (LLaVA...), or it is Mllama; where transformers' causal-LM class is the text model alone (Qwen3.5, Llama 4), litft trains
+    (LLaVA...), or it is Mllama or Llama 4; where transformers' causal-LM class is the text model alone (Qwen3.5), litft trains
     that, as before. A VLM's
     rows are padded whatever attention is asked for: its own forward makes the positions and masks."""
     import transformers
@@ -438,13 +438,14 @@ def test_which_configs_train_as_vision_language_models(vision_folders):
     assert auto_model_class(load_config(str(vision_folders["gemma3"]))) is AutoModelForCausalLM  # its causal-LM class is the VLM
     mllama = load_config(str(vision_folders["mllama"]))  # its causal-LM class is the text model: built as the VLM all the same
     assert sees_images(mllama) and auto_model_class(mllama) is AutoModelForImageTextToText
+    llama4 = transformers.Llama4Config()
+    assert sees_images(llama4) and auto_model_class(llama4) is AutoModelForImageTextToText
     qwen = transformers.Qwen3_5Config()
     assert not sees_images(qwen) and auto_model_class(qwen) is AutoModelForCausalLM
     # Image records on a model trained as text: one line, which says whether the model itself could see them.
     from litft.model.vision import check_images_fit
 
-    for config, says in ((qwen, "litft trains qwen3_5's text model"), (transformers.Llama4Config(), "litft trains llama4's text model"),
-                         (transformers.LlamaConfig(), "llama models read text only")):
+    for config, says in ((qwen, "litft trains qwen3_5's text model"), (transformers.LlamaConfig(), "llama models read text only")):
         with pytest.raises(LitftError, match=says):
             check_images_fit(config, True)
         check_images_fit(config, False)
@@ -474,7 +475,7 @@ def test_tokens_past_a_rows_text_take_text_types_and_the_last_text_tokens_image_
     from litft.model.vision import ImageInputs
 
     inputs = ImageInputs.__new__(ImageInputs)
-    inputs.takes = {"token_type_ids", "cross_attention_mask"}
+    inputs.takes, inputs.encoder = {"token_type_ids", "cross_attention_mask"}, None
     mask = torch.tensor([[[[1, 0]], [[1, 1]], [[1, 1]]], [[[0, 0]], [[1, 0]], [[0, 0]]]])  # rows x tokens x images x tiles
     made = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "token_type_ids": torch.tensor([[0, 1, 1], [0, 1, 0]]), "cross_attention_mask": mask}
     out = inputs.kept(made, 5, "cpu", covered=[3, 2])
@@ -482,3 +483,34 @@ def test_tokens_past_a_rows_text_take_text_types_and_the_last_text_tokens_image_
     assert torch.equal(out["cross_attention_mask"][0], torch.cat([mask[0], mask[0, 2:].expand(2, 1, 2)]))
     assert torch.equal(out["cross_attention_mask"][1], torch.cat([mask[1, :2], mask[1, 1:2].expand(3, 1, 2)]))
     assert torch.equal(inputs.kept(made, 3, "cpu")["cross_attention_mask"], mask)  # rows whose text covers them: as made
+
+
+def test_llama4s_complex_rotary_buffer_and_pixels_keep_the_dtypes_its_encoder_needs(vision_folders, shapes):
+    """Llama 4's image encoder keeps its rotary frequencies in a complex buffer: a cast of the whole model to the run's dtype
+    (Fabric's, under bf16-true and DeepSpeed) keeps only their real part, and so does a fill into a buffer cast on the meta
+    device before it (FSDP's order): neither happens. And its encoder does not cast pixels itself: they come in its dtype."""
+    from transformers import AutoModelForImageTextToText
+
+    from litft.data.images import load_processor
+    from litft.model.loading import load_config
+    from litft.model.vision import ImageInputs, answer_as_transformers_expects
+    from litft.model.weights import Materializer, skeleton
+    from litft.parallel.strategies.base import complex_buffers_kept
+
+    folder = vision_folders["llama4"]
+    expected = AutoModelForImageTextToText.from_pretrained(folder).vision_model.rotary_embedding.freqs_ci
+    model = skeleton(load_config(str(folder)), torch.float32)
+    fill = Materializer(model, model, None, seed=0)
+    model.to(torch.bfloat16)  # on the meta device, then the fill
+    fill(model)
+    assert torch.equal(model.vision_model.rotary_embedding.freqs_ci, expected)
+    with complex_buffers_kept(model):
+        model.to(torch.bfloat16)  # the fill, then the cast
+    assert torch.equal(model.vision_model.rotary_embedding.freqs_ci, expected)
+
+    answer_as_transformers_expects(model)
+    _, _, val, _ = shapes
+    batch = collate(JSON(json_path=val, val_path=val).tokenize(load_tokenizer(str(folder)), 0).val[:2], pad_id=0)
+    vision = ImageInputs(load_processor(str(folder)), model)(batch)
+    assert vision["pixel_values"].dtype == torch.bfloat16
+    assert model(input_ids=batch["input_ids"], **vision).logits.isfinite().all()
