@@ -154,22 +154,34 @@ def keep_4bit_training_layout(model: torch.nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+# Rotary modules whose frequencies are a complex buffer, by class.
+COMPLEX_ROTARY_BUFFERS = {"Llama4VisionRotaryEmbedding": ("freqs_ci",)}
+
+
 def keep_rotary_fp32(model: torch.nn.Module) -> int:
-    """Recompute rotary frequencies in fp32 wherever a low-precision cast reached them; the number of modules fixed.
+    """Recompute rotary frequencies wherever a low-precision cast reached them; the number of modules fixed.
 
     ``--precision bf16-true`` casts the whole module, buffers included (Lightning's
     ``HalfPrecision.convert_module``), and rotary frequencies rounded to bf16 put
     every position past a few hundred visibly off (transformers#25681, #29496).
-    The rotary module is built again from its config, which computes them in fp32.
+    A complex buffer fares worse under any cast to a real dtype (DeepSpeed's too,
+    at every precision, and an FSDP fill into a buffer cast on meta): Llama 4's
+    image encoder keeps its frequencies as one, and would keep their real part,
+    scaling where it rotates. The rotary module is built again from its config,
+    which computes them in fp32 (complex where they were).
     """
     fixed = 0
     for module in model.modules():
         inv_freq = getattr(module, "inv_freq", None)
-        if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype == torch.float32 or not hasattr(module, "config"):
+        rounded = isinstance(inv_freq, torch.Tensor) and inv_freq.dtype != torch.float32
+        made_real = any(isinstance(getattr(module, name, None), torch.Tensor) and not getattr(module, name).is_complex()
+                        for name in COMPLEX_ROTARY_BUFFERS.get(type(module).__name__, ()))
+        if not (rounded or made_real) or not hasattr(module, "config"):
             continue
         fresh = type(module)(config=module.config)
         for name, buffer in fresh.named_buffers(recurse=False):
-            if buffer.is_floating_point():
-                setattr(module, name, buffer.to(device=inv_freq.device, dtype=torch.float32))
+            if buffer.is_floating_point() or buffer.is_complex():
+                now = getattr(module, name)
+                setattr(module, name, buffer.to(device=now.device, dtype=buffer.dtype if buffer.is_complex() else torch.float32))
         fixed += 1
     return fixed

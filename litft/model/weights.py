@@ -128,9 +128,6 @@ class Materializer:
         # (FSDP's shard, an expert group's experts; and the columns of a tensor-parallel row split): only those are read,
         # converted and copied.
         self.kept_rows: Dict[Tuple[int, str], Tuple[int, ...]] = {}
-        # Complex buffers (Llama 4's vision rotary frequencies), whose dtype a precision plugin's cast to a real one (bf16-true
-        # under FSDP, before the fill) would lose with their imaginary part: filled in their own dtype.
-        self.complex_dtype: Dict[Tuple[int, str], torch.dtype] = {}
         groups: Dict[int, int] = {}
         for module_name, module in root.named_modules(remove_duplicate=False):
             self.module_names[id(module)] = module_name
@@ -138,8 +135,6 @@ class Materializer:
                 for attr, tensor in getattr(module, kind).items():
                     if tensor is None:
                         continue
-                    if tensor.is_complex():
-                        self.complex_dtype[(id(module), attr)] = tensor.dtype
                     if id(tensor) not in groups:
                         groups[id(tensor)] = len(self.names)
                         self.names.append([])
@@ -168,8 +163,7 @@ class Materializer:
         ]
         if not pending:
             return
-        values = self.fill_slots(module_name, module, [(kind, attr, meta.to(self.complex_dtype.get((id(module), attr), meta.dtype)))
-                                                       for kind, attr, meta in pending])
+        values = self.fill_slots(module_name, module, [(kind, attr, meta) for kind, attr, meta in pending])
         for (kind, attr, _), value in zip(pending, values):
             self.put(module, kind, attr, value)
 

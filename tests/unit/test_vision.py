@@ -488,14 +488,14 @@ def test_tokens_past_a_rows_text_take_text_types_and_the_last_text_tokens_image_
 def test_llama4s_complex_rotary_buffer_and_pixels_keep_the_dtypes_its_encoder_needs(vision_folders, shapes):
     """Llama 4's image encoder keeps its rotary frequencies in a complex buffer: a cast of the whole model to the run's dtype
     (Fabric's, under bf16-true and DeepSpeed) keeps only their real part, and so does a fill into a buffer cast on the meta
-    device before it (FSDP's order): neither happens. And its encoder does not cast pixels itself: they come in its dtype."""
+    device before it (FSDP's order): the trainer's repair after setup makes them whole again. And its encoder does not cast
+    pixels itself: they come in its dtype."""
     from transformers import AutoModelForImageTextToText
 
     from litft.data.images import load_processor
-    from litft.model.loading import load_config
+    from litft.model.loading import keep_rotary_fp32, load_config
     from litft.model.vision import ImageInputs, answer_as_transformers_expects
     from litft.model.weights import Materializer, skeleton
-    from litft.parallel.strategies.base import complex_buffers_kept
 
     folder = vision_folders["llama4"]
     expected = AutoModelForImageTextToText.from_pretrained(folder).vision_model.rotary_embedding.freqs_ci
@@ -503,10 +503,11 @@ def test_llama4s_complex_rotary_buffer_and_pixels_keep_the_dtypes_its_encoder_ne
     fill = Materializer(model, model, None, seed=0)
     model.to(torch.bfloat16)  # on the meta device, then the fill
     fill(model)
-    assert torch.equal(model.vision_model.rotary_embedding.freqs_ci, expected)
-    with complex_buffers_kept(model):
-        model.to(torch.bfloat16)  # the fill, then the cast
-    assert torch.equal(model.vision_model.rotary_embedding.freqs_ci, expected)
+    assert not model.vision_model.rotary_embedding.freqs_ci.is_complex()
+    assert keep_rotary_fp32(model) == 2 and torch.equal(model.vision_model.rotary_embedding.freqs_ci, expected)  # and the text's
+    model.to(torch.bfloat16)  # the fill, then the cast
+    assert keep_rotary_fp32(model) == 2 and torch.equal(model.vision_model.rotary_embedding.freqs_ci, expected)
+    assert keep_rotary_fp32(model) == 0
 
     answer_as_transformers_expects(model)
     _, _, val, _ = shapes

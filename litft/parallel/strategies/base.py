@@ -27,20 +27,6 @@ from litft.model.weights import CheckpointWeights, Materializer, skeleton
 Fill = Callable[[torch.nn.Module], None]  # gives real values to the meta tensors of a part of the model
 
 
-@contextlib.contextmanager
-def complex_buffers_kept(model: torch.nn.Module):
-    """Fabric casts the whole module to the run's dtype (bf16-true, and DeepSpeed at every precision), and Module.to casts
-    a complex buffer to a real dtype by dropping its imaginary part: Llama 4's image encoder keeps its rotary frequencies
-    in one, and would scale by their cosines where it rotates. Each is put back as it was, where the cast moved it."""
-    kept = [(module, name, buffer) for module in model.modules() for name, buffer in module._buffers.items()
-            if buffer is not None and buffer.is_complex()]
-    yield
-    for module, name, buffer in kept:
-        now = module._buffers.get(name)
-        if now is not None and not now.is_complex():
-            module._buffers[name] = buffer.to(now.device)
-
-
 def local_bytes(tensor) -> int:
     """Bytes of ``tensor`` on this rank: a DTensor's shard, a ZeRO-3 parameter's partition."""
     if tensor is None:
@@ -192,8 +178,7 @@ class TrainingStrategy:
         """
         self.fabric = fabric
         fill(lm)
-        with complex_buffers_kept(lm):
-            module = fabric.setup_module(lm, move_to_device=not on_device)
+        module = fabric.setup_module(lm, move_to_device=not on_device)
         made = lm.configure_optimizers()
         return module, fabric.setup_optimizers(made["optimizer"]), made["lr_scheduler"]
 

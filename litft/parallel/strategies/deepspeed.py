@@ -21,7 +21,7 @@ from litft.config import Layout, TrainArgs
 from litft.device import compute_dtype, param_dtype
 from litft.errors import LitftError
 from litft.parallel.mesh import Mesh, layout_data_world
-from litft.parallel.strategies.base import Fill, TrainingStrategy, complex_buffers_kept, local_bytes, optimizer_state_bytes, read_dcp
+from litft.parallel.strategies.base import Fill, TrainingStrategy, local_bytes, optimizer_state_bytes, read_dcp
 from litft.parallel.strategies.deepspeed_config import deepspeed_config
 from litft.parallel.strategies.deepspeed_state import RowShards, empty_state, restore_training_state, trained_parameters, training_state, unsharded_entries
 from litft.model.recurrent import text_config
@@ -288,8 +288,7 @@ class DeepSpeed(TrainingStrategy):
         if self.stage == 3 and lm.sees_images:
             ready_for_zero3(lm.hf_model)  # the encoder's and projector's gathers alike on every rank, whatever its images
         made = lm.configure_optimizers()
-        with complex_buffers_kept(lm):
-            module, optimizer = fabric.setup(lm, made["optimizer"])
+        module, optimizer = fabric.setup(lm, made["optimizer"])
         return module, optimizer, made["lr_scheduler"]
 
     def optimizer_step(self, module, optimizer, max_norm: Optional[float]):
