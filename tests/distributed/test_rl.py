@@ -36,6 +36,8 @@ CASES = {
     # Prompts about pictures (and one text prompt) for a vision-language model (PaddleOCR-VL's 3-D positions): the images
     # reach generate and every training forward, and the sharded image encoder runs on every rank in both.
     "fsdp-vision": ("vision", ["--strategy", "fsdp", *TWO]),
+    # Llama 4: generate runs its image encoder ahead of the model's forward, before any training forward made FSDP's root.
+    "fsdp-vision-moe": ("vision-moe", ["--strategy", "fsdp", *TWO]),
 }
 
 
@@ -44,9 +46,11 @@ def runs(tmp_path_factory):
     from tests.vision_models import VISION_MODELS, save_vision_model, write_shape_prompts
 
     batch = Batch(tmp_path_factory.mktemp("rl"))
-    folder = save_vision_model(next(m for m in VISION_MODELS if m.name == "paddleocr-vl"), batch.root / "model-vision")
     train, val = write_shape_prompts(batch.root / "shapes", 15, 0, text_only=1), write_shape_prompts(batch.root / "shapes", 4, 1, "val.jsonl")
-    jobs = {**JOBS, "vision": ["finetune_lora", folder, "--lora_r", "4", "--data", "Prompts", "--data.path", train, "--data.val_path", val]}
+    jobs = dict(JOBS)
+    for job, name in (("vision", "paddleocr-vl"), ("vision-moe", "llama4")):
+        folder = save_vision_model(next(m for m in VISION_MODELS if m.name == name), batch.root / f"model-{job}")
+        jobs[job] = ["finetune_lora", folder, "--lora_r", "4", "--data", "Prompts", "--data.path", train, "--data.val_path", val]
     for name, job in jobs.items():
         batch.add(f"single-{name}", 1, *job, *COMMON, "--train.micro_batch_size", "8")
     for case, (name, flags) in CASES.items():

@@ -302,6 +302,12 @@ class FSDP(TrainingStrategy):
         vision-language model's image encoder before the model's forward (outside the root unit's gather), and a rank
         whose prompts have no image runs none."""
         units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        # FSDP2 takes the first unit to run forward as its root: where generation comes before any training forward (GRPO's
+        # first rollouts) and transformers runs the image encoder ahead of the model's forward (Llama 4), an encoder block
+        # would claim it. The outermost unit is made the root first.
+        lazy_init = getattr(units[0]._get_fsdp_state(), "_lazy_init", None) if units else None
+        if lazy_init is not None:
+            lazy_init()
         groups = [group for unit in units for group in param_groups_of(unit)]
         if not groups:  # a torch whose FSDP2 keeps its groups elsewhere: the units gather per decode step, as they train
             yield
