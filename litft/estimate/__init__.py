@@ -40,6 +40,9 @@ ESTIMATE_FLAGS = [
     TRAIN.but(default=TrainArgs(micro_batch_size=1), help="Only micro_batch_size, gradient_checkpointing, activation_offload (device activations to host memory) and tiled_mlp change memory; accumulation does not, as gradients are counted whole beside the activations, where accumulation's later micro-batches have them."),
     OBJECTIVE.but(help="sft, a preference objective (dpo, ipo, simpo, orpo: a micro-batch then holds micro_batch_size pairs, two sequences each, and DPO/IPO under LoRA add the reference's no-grad forward), or grpo (a micro-batch holds completions with their prompts; sampling holds one generate call's groups' KV cache between steps)."),
     Flag("seq_len", Optional[int], None, "Tokens in each sample of a micro-batch (the data's max_seq_length, or the packed row length; for pairs, prompt plus one response; default 2048); under grpo the longest prompt (default 512), to which --objective.max_new_tokens are added."),
+    Flag("image_size", Optional[str], None, "A vision-language model's image size, WIDTHxHEIGHT or one side (448x448, 448): the "
+         "model's processor counts the tokens each image becomes, and every sample holds --images of them beside its --seq_len text tokens."),
+    Flag("images", int, 1, "Images per sample, with --image_size."),
     Flag("accelerator", Literal["cuda", "cpu"], "cuda", "Where the run trains: cuda (one GPU per rank, --gpu), or cpu (the ranks share this machine's memory, or --device_memory_gb)."),
     Flag("gpu", str, "H100", "The device, by name: H100, H200, A100, A100-40GB, L40S, L4, A10G, ... (memory as torch.cuda reports it)."),
     Flag("device_memory_gb", Optional[float], None, "Memory of one device in GiB; overrides --gpu."),

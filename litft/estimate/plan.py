@@ -1,5 +1,6 @@
 """The estimate itself: the job's model and checks, the strategy's layout, the traced activations, and the table."""
 
+import functools
 import math
 import os
 from dataclasses import replace
@@ -16,7 +17,8 @@ from litft.estimate.states import memory_layout
 from litft.estimate.trace import trace_activations
 from litft.model.flops import expert_count, experts_per_token, flops_per_token
 from litft.model.recurrent import carries_state, text_config
-from litft.model.vision import sees_images
+from litft.data.images import load_processor
+from litft.model.vision import sees_images, tokens_per_image
 from litft.run.plan import DATA_KINDS, Facts, installed_packages, refuse, rollout_engine, split_refusal
 from litft.run.logs import quiet_libraries
 from litft.estimate.memory import GiB, Row
@@ -109,6 +111,29 @@ def experts_facts(config, tensors, size: int, tokens: int, itemsize: int, seq_le
     }
 
 
+def tokens_of_images(flags: dict, config, folder: str) -> Tuple[int, Optional[str]]:
+    """Tokens each image of ``--image_size`` becomes, by the model's processor, and the size as WIDTHxHEIGHT; 0 without the flag."""
+    size = flags.get("image_size")
+    if size is None:
+        return 0, None
+    if not sees_images(config):
+        raise LitftError(f"--image_size is for vision-language models; litft trains {config.model_type} on text only")
+    if flags.get("images", 1) < 1:
+        raise LitftError("--images is the number of images in each sample, at least 1")
+    try:
+        width, height = (int(side) for side in (size.lower().split("x") if "x" in size.lower() else (size, size)))
+    except ValueError:
+        raise LitftError(f"--image_size {size}: give WIDTHxHEIGHT in pixels (448x448) or one side (448)") from None
+    if min(width, height) < 1:
+        raise LitftError(f"--image_size {size}: both sides must be at least 1 pixel")
+    return _tokens_per_image(folder, width, height), f"{width}x{height}"
+
+
+@functools.lru_cache(maxsize=8)
+def _tokens_per_image(folder: str, width: int, height: int) -> int:  # --longest estimates again at each length
+    return tokens_per_image(load_processor(folder), width, height)
+
+
 def plan_memory(flags: dict) -> dict:
     """Everything ``litft estimate`` prints, as a dict of bytes."""
     on_cpu = flags.get("accelerator", "cuda") == "cpu"
@@ -135,7 +160,9 @@ def plan_memory(flags: dict) -> dict:
     states = memory_layout(strategy, tensors, layout, precision, train, hidden_size=text_config(config).hidden_size, planned=block_plan(config))
     # A context group splits every row: a rank holds its slice's activations, and around attention whole rows of
     # heads / N heads, the same size.
-    row_len = flags["seq_len"] + (objective.max_new_tokens if objective.rl else 0)  # RL trains on each prompt and its completion
+    image_tokens, image_size = tokens_of_images(flags, config, resolve_model(source))
+    # RL trains on each prompt and its completion; a vision-language model's sample holds its images' tokens too.
+    row_len = flags["seq_len"] + (objective.max_new_tokens if objective.rl else 0) + flags.get("images", 1) * image_tokens
     tokens_per_rank = -(-row_len // layout.context_parallel)
     # Offloading saves nothing where the device is the host: the CPU's estimate traces the run without it.
     traced = trace_both(config, strategy, layout, precision, lora, replace(train, activation_offload=train.activation_offload and not on_cpu),
@@ -154,6 +181,7 @@ def plan_memory(flags: dict) -> dict:
         "tensor_parallel": layout.tensor_parallel, "expert_parallel": layout.expert_parallel, "experts": experts,
         "gradient_checkpointing": train.gradient_checkpointing, "attention": attention,
         "activation_offload": train.activation_offload, "tiled_mlp": train.tiled_mlp, "vision": sees_images(config),
+        "image_size": image_size, "images": flags.get("images", 1), "tokens_per_image": image_tokens,
         "parameters": {"total": sum(t.numel for t in tensors), "trained": sum(t.numel for t in tensors if t.trainable),
                        "quantized": sum(t.numel for t in tensors if t.quantized)},
         "quant_state_bytes": sum(t.quant_state for t in tensors),
@@ -326,6 +354,15 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def vision_line(plan: dict) -> str:
+    counted = "vision: the image encoder's and projector's parameters are counted (the encoder frozen); "
+    untraced = "(the encoder's own transient activations are not traced yet)"
+    if not plan.get("image_size"):
+        return counted + f"the trace runs the language model on text: give --image_size, or count each image's tokens in --seq_len {untraced}"
+    return (counted + f"each {plan['image_size']} image is {plan['tokens_per_image']:,} tokens by the model's processor, and a sample holds "
+            f"{plan['images']} beside its {plan['seq_len']:,} text tokens {untraced}")
+
+
 def render(plan: dict) -> str:
     """The estimate as a table, in GiB per rank."""
     device = "GPU" if plan.get("accelerator", "cuda") == "cuda" else "device"
@@ -357,9 +394,7 @@ def heading(plan: dict) -> List[str]:
            + f", {e['top_k']} per token; {_count(e['active_parameters'])} active parameters per token"
            + ("" if e["flops_per_token"] is None else f", {e['flops_per_token'] / 1e9:.2f} GFLOPs per token trained (forward and backward)")
            for e in [plan.get("experts")] if e]),
-        *(["vision: the image encoder's and projector's parameters are counted (the encoder frozen); the trace runs the language "
-           "model on text: count each image's tokens in --seq_len (its encoder's transient activations are not traced yet)"]
-          if plan.get("vision") else []),
+        *([vision_line(plan)] if plan.get("vision") else []),
         *([f"objective {plan['objective']}: {plan['micro_batch_size']} pairs per micro-batch (two sequences each); reference: {plan['reference']}"]
           if plan.get("objective", "sft") not in ("sft", "grpo") else []),
         *([f"objective grpo: {plan['micro_batch_size']} completions per micro-batch, each a prompt of up to {plan['seq_len']} tokens and "

@@ -336,6 +336,19 @@ def float_tensors(value):
     return [t for item in items for t in float_tensors(item)]
 
 
+def tokens_per_image(processor, width: int, height: int) -> int:
+    """The tokens one image of this size adds to a sample, by the processor's own count: a user turn rendered and
+    tokenized with the image and without it (placeholders, tiles and begin/end markers alike)."""
+    from PIL import Image
+
+    question = {"type": "text", "text": "What is in the picture?"}
+    turn = lambda parts: processor.apply_chat_template([{"role": "user", "content": parts}], tokenize=False)  # noqa: E731
+    picture = Image.new("RGB", (width, height), (128, 128, 128))
+    with_image = processor_call(processor, [turn([{"type": "image"}, question])], [[picture]])["input_ids"]
+    without = processor_call(processor, [turn([question])], [[]])["input_ids"]
+    return with_image.shape[1] - without.shape[1]
+
+
 def image_marker_tokens(config) -> List[int]:
     """The token ids a vision-language model's config gives its images (and videos): placeholders and begin/end markers
     (``image_token_id``, Gemma 3's ``boi_token_index``, Qwen-VL's ``vision_start_token_id``...), which its forward reads as

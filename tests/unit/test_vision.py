@@ -515,3 +515,21 @@ def test_llama4s_complex_rotary_buffer_and_pixels_keep_the_dtypes_its_encoder_ne
     vision = ImageInputs(load_processor(str(folder)), model)(batch)
     assert vision["pixel_values"].dtype == torch.bfloat16
     assert model(input_ids=batch["input_ids"], **vision).logits.isfinite().all()
+
+
+def test_the_estimate_counts_each_images_tokens_by_the_models_processor(vision_folders):
+    """litft estimate --image_size: the processor's own count of an image's tokens joins each sample's row, and the trace runs
+    that longer row (PaddleOCR-VL: a 32 x 32 image is 2 x 2 merged patches, a 48 x 48 one 3 x 3, each between its begin
+    and end tokens). On a text model, or with a size that is not one, the flag is refused in one line."""
+    from litft.estimate import memory_plan
+    from litft.model.tiny import ensure_tiny_model
+
+    folder = str(vision_folders["paddleocr-vl"])
+    plans = {size: memory_plan(model=folder, accelerator="cpu", seq_len=64, image_size=size, images=2) for size in ("32", "48x48", None)}
+    assert [plans[s]["tokens_per_image"] for s in ("32", "48x48", None)] == [4 + 2, 9 + 2, 0]
+    assert [plans[s]["row_len"] for s in ("32", "48x48", None)] == [64 + 2 * 6, 64 + 2 * 11, 64]
+    peaks = [plans[s]["activations"]["peak"] for s in (None, "32", "48x48")]
+    assert peaks == sorted(peaks) and len(set(peaks)) == 3
+    for model, size, says in ((str(ensure_tiny_model()), "32", "is for vision-language models"), (folder, "big", "give WIDTHxHEIGHT")):
+        with pytest.raises(LitftError, match=says):
+            memory_plan(model=model, accelerator="cpu", image_size=size)
