@@ -69,6 +69,7 @@ def load_for_chat(name: str, dtype: torch.dtype):
 def _from_checkpoint(checkpoint: Path, dtype: torch.dtype):
     """A checkpoint's model in memory, a block at a time (LoRA merged into its base): nothing written to disk."""
     model, tokenizer = model_from_checkpoint(checkpoint, dtype)
+    answer_as_transformers_expects(model)
     lora = CheckpointMeta.read(checkpoint).job == "finetune_lora"
     return model, tokenizer, f"checkpoint {checkpoint}" + (" (its adapter merged into its base)" if lora else "")
 
