@@ -17,7 +17,11 @@ process, one at a time, with the same number of torch threads:
   and the loss over every token), ``compiled`` (``--compile true``), ``eager``
   (``--compile false``), ``fp8`` (``--fp8 tensorwise``), ``liger`` (``--kernels liger``), ``checkpointed``
   (``--train.gradient_checkpointing true``), ``offload`` (checkpointing with ``--train.activation_offload`` and
-  ``--train.tiled_mlp``: what long sequences run with).
+  ``--train.tiled_mlp``: what long sequences run with);
+- ``litft-dropout-alternating``: what LoRA dropout costs a step, without two processes' own speeds in it (on this
+  2-core machine two runs of one command move by 5-10%, more than the cost itself). Two litft runs, each at the
+  workload's dropout (0.05 where it has none) on every other step and at 0 on the rest, the second with the steps
+  swapped, so each step's batch is timed once each way; ``dropout_cost`` is their seconds with dropout over without.
 
 Printed per side: real (unpadded) tokens/s over the steps after the first
 ``--skip`` (so loading and compilation are left out), and the process's peak
@@ -53,7 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -62,7 +66,7 @@ from benchkit import python_path
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "BENCH-RESULT "
 SIDES = ("litft", "trainer", "trainer-best", "litft-padded", "litft-plain-loss", "litft-compiled", "litft-eager", "litft-fp8", "litft-liger",
-         "litft-checkpointed", "litft-offload")
+         "litft-checkpointed", "litft-offload", "litft-dropout-alternating")
 WORDS = "apple river stone cloud garden silver paper window forest candle bridge harbor meadow lantern orbit violet".split()
 
 
@@ -267,8 +271,60 @@ change = {change!r}
 if change == "plain-loss":
     import litft.run.build
     litft.run.build.fuse_target_loss = lambda model: False
+if change.startswith("dropout-on-"):
+    sys.path.insert(0, {benchmarks!r})
+    import vs_hf_trainer
+    vs_hf_trainer.alternate_dropout(on_odd_steps=change == "dropout-on-odd")
 runpy.run_module("litft", run_name="__main__", alter_sys=True)
 """
+
+
+def alternate_dropout(on_odd_steps: bool):
+    """In a litft process about to start: each LoRA adapter keeps its dropout on odd optimizer steps (or even ones) and
+    trains at 0 on the others (the step after each optimizer step switches). Returns what undoes it."""
+    import litft.model.lora as lora
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    adapters, steps_done = [], [0]
+    move_dropout = lora.keep_one_input_per_layer
+
+    def switch(step: int) -> None:
+        for adapter, p in adapters:
+            adapter.dropout_p = p if step % 2 == int(on_odd_steps) else 0.0
+
+    def keeping(model):
+        model = move_dropout(model)
+        adapters.extend((m, m.dropout_p) for m in model.modules() if isinstance(m, lora.DroppedInputLinear))
+        if not adapters:
+            raise SystemExit("alternate_dropout: no adapter with dropout in this run (was --lora_dropout 0?)")
+        switch(1)
+        return model
+
+    def after_optimizer_step(*_) -> None:
+        steps_done[0] += 1
+        switch(steps_done[0] + 1)
+
+    lora.keep_one_input_per_layer = keeping
+    hook = register_optimizer_step_post_hook(after_optimizer_step)
+
+    def undo() -> None:
+        hook.remove()
+        lora.keep_one_input_per_layer = move_dropout
+
+    return undo
+
+
+def dropout_alternating_side(args, load: Workload, model: Path, work: Path) -> dict:
+    """``litft-dropout-alternating``: two runs, dropout on odd steps in one and on even steps in the other."""
+    if not load.lora_dropout:
+        load = replace(load, lora_dropout=0.05)
+    seconds, results = {True: 0.0, False: 0.0}, []
+    for change, on_odd in (("dropout-on-odd", True), ("dropout-on-even", False)):
+        results.append(litft_side(args, load, model, work, change))
+        for step, tokens, secs in step_seconds(work / f"litft-{load.job}-{change}", args.skip):
+            seconds[step % 2 == int(on_odd)] += secs
+    return {"tokens_per_s": sum(r["tokens_per_s"] for r in results) / 2, "peak_gb": max(r["peak_gb"] for r in results),
+            "dropout": load.lora_dropout, "dropout_cost": seconds[True] / seconds[False]}
 
 
 def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> dict:
@@ -303,7 +359,8 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
     flags += shlex.split(args.litft_flags)
     # This checkout's litft, whichever one is installed: the process starts in ``work``.
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1", PYTHONPATH=python_path(ROOT))
-    code, _, _, stderr = run_measured([sys.executable, "-c", LITFT_BOOT.format(change=change), *flags], work, env)
+    boot = LITFT_BOOT.format(change=change, benchmarks=str(ROOT / "benchmarks"))
+    code, _, _, stderr = run_measured([sys.executable, "-c", boot, *flags], work, env)
     if code != 0:
         raise SideFailed(f"litft {change}".strip(), code, stderr)
     rows, rates = steady_rates(out, args.skip)
@@ -316,13 +373,25 @@ def litft_side(args, load: Workload, model: Path, work: Path, change: str) -> di
     return {**rates, "peak_gb": max(r["peak_memory_gb"] for r in rows), "steps": len(rows), **compiled, **profiled}
 
 
-def steady_rates(out: Path, skip: int):
-    """A litft run's logged steps (metrics.csv rows), and its tokens/s and MFU over the steps after the first ``skip``."""
+def logged_steps(out: Path) -> list:
+    """A litft run's logged steps: its metrics.csv rows."""
     with open(out / "logs" / "csv" / "metrics.csv") as f:
-        rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("tokens_per_s")]
-    # Each step is its own log window: its tokens (the cumulative count's step) over its tokens/s are its seconds.
+        return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("tokens_per_s")]
+
+
+def step_seconds(out: Path, skip: int) -> list:
+    """(step, tokens, seconds) of each logged step after the first ``skip``: each step is its own log window, so its tokens
+    (the cumulative count's step) over its tokens/s are its seconds."""
+    rows = logged_steps(out)
     tokens = [b["tokens"] - a for a, b in zip([0.0] + [r["tokens"] for r in rows], rows)]
-    steady = [(t, t / r["tokens_per_s"], r.get("mfu")) for t, r in zip(tokens, rows) if r["step"] > skip]
+    return [(int(r["step"]), t, t / r["tokens_per_s"]) for t, r in zip(tokens, rows) if r["step"] > skip]
+
+
+def steady_rates(out: Path, skip: int):
+    """A litft run's logged steps, and its tokens/s and MFU over the steps after the first ``skip``."""
+    rows = logged_steps(out)
+    mfus = {int(r["step"]): r.get("mfu") for r in rows}
+    steady = [(t, s, mfus[step]) for step, t, s in step_seconds(out, skip)]
     seconds = sum(s for _, s, _ in steady)
     mfu = [m for *_, m in steady if m is not None]
     return rows, {
@@ -475,7 +544,9 @@ def main(argv=None) -> None:
         for side in args.sides.split(","):
             started = time.perf_counter()
             try:
-                if side.startswith("litft"):
+                if side == "litft-dropout-alternating":
+                    result = dropout_alternating_side(args, load, model, work)
+                elif side.startswith("litft"):
                     result = litft_side(args, load, model, work, side.removeprefix("litft").lstrip("-"))
                 else:
                     result = run_trainer_side(args, load, model, work, best=side == "trainer-best")
@@ -484,7 +555,9 @@ def main(argv=None) -> None:
                 print(json.dumps({"run": name, "side": side, **asdict(load), "error": failure.line}), flush=True)
                 continue
             result["wall_s"] = time.perf_counter() - started
-            print(f"{name:<8} {side:<18} {result['tokens_per_s']:9.1f} tokens/s  peak {result['peak_gb']:6.2f} GB  ({result['wall_s']:.0f} s)", flush=True)
+            cost = f"  dropout {result['dropout']} costs {result['dropout_cost']:.3f}x" if "dropout_cost" in result else ""
+            print(f"{name:<8} {side:<18} {result['tokens_per_s']:9.1f} tokens/s  peak {result['peak_gb']:6.2f} GB  ({result['wall_s']:.0f} s){cost}",
+                  flush=True)
             if side == "litft":
                 base = result
             elif base:

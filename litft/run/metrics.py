@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from litft.config import EvalArgs, TrainArgs
+from litft.device import release_freed_host_memory
 from litft.model.experts import load_figures
 
 
@@ -77,7 +78,12 @@ class PhasePeaks:
         self._since_mark = [0.0, 0.0]  # allocated and reserved peaks of the phases closed since the mark (CUDA)
 
     def enter(self, phase: str) -> None:
-        """End the current phase (its peak kept) and start ``phase``, unless it is the current one already."""
+        """End the current phase (its peak kept) and start ``phase``, unless it is the current one already.
+
+        On the CPU the heap's freed pages go back to the system first (``release_freed_host_memory``): glibc keeps what the
+        last phase freed resident, and the next phase's tensors, of other sizes, only partly fit in it. ZeRO-3 LoRA's
+        validation after a step held 31 MB more than the step itself on a 0.89 GB model (2 ranks); trimmed, it holds less.
+        """
         if phase == self.current or not self.measures:
             return
         self.close()
@@ -85,6 +91,7 @@ class PhasePeaks:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            release_freed_host_memory()
             self._sampler.reset()
 
     def _now(self) -> List[float]:

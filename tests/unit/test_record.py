@@ -89,3 +89,31 @@ def test_the_longest_sequence_search_brackets_the_limit_within_2_percent_and_sto
     now[0] = 50.0  # the model's build and the estimate took 50 s of the budget before the first try
     assert search(try_length, 200_704, 400, clock=lambda: now[0], began=0.0)["tries"] == 2  # 50 + 101 + 133, then 175 would pass
     assert next_length(1024, 2200, 1024) is None and next_length(None, 1024, 1024) is None  # nothing new left to try
+
+
+def test_the_dropout_cost_side_switches_every_adapters_dropout_at_each_optimizer_step():
+    """vs_hf_trainer's ``litft-dropout-alternating`` (the record's lora_dropout_cost): dropout on the even steps here, 0 on the
+    odd ones, every adapter alike; undone, adapters keep their dropout."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import vs_hf_trainer
+    from litft.config import LoraArgs
+    from litft.model.lora import DroppedInputLinear, apply_lora
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    undo = vs_hf_trainer.alternate_dropout(on_odd_steps=False)
+    try:
+        model = apply_lora(LlamaForCausalLM(config), LoraArgs(r=2, dropout=0.1))
+        adapters = [m for m in model.modules() if isinstance(m, DroppedInputLinear)]
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        seen = []
+        for _ in range(4):
+            seen.append({m.dropout_p for m in adapters})
+            optimizer.step()
+    finally:
+        undo()
+    assert len(adapters) == 14 and seen == [{0.0}, {0.1}, {0.0}, {0.1}]
+    again = apply_lora(LlamaForCausalLM(config), LoraArgs(r=2, dropout=0.1))
+    torch.optim.SGD([p for p in again.parameters() if p.requires_grad], lr=0.1).step()
+    assert {m.dropout_p for m in again.modules() if isinstance(m, DroppedInputLinear)} == {0.1}
