@@ -51,6 +51,7 @@ GOALS = {  # issue 41's targets
     "gpu_1b_lora_vs_trainer": (">=", 1.6), "gpu_1b_chat_vs_trainer": (">=", 2.3), "gpu_8b_lora_tok_s": (">=", 14000),
     "gpu_8b_lora_vs_trainer": (">=", 2.0), "gpu_8b_lora_memory_vs_trainer": ("<=", 0.6), "gpu_8b_qlora_vs_trainer": (">=", 2.0),
     "gpu_dpo_vs_trl": (">=", 1.5), "gpu_moe_grouped_vs_loop": (">=", 4.0),
+    "gpu_1b_lora_dropout_cost": ("<=", 1.1),  # issue 57: LoRA's step at --lora_dropout 0.05 over its step at 0
 }
 
 
@@ -81,6 +82,8 @@ def trainer_rows(rows: List[dict], _: Dict[str, float]) -> Dict[str, float]:
         elif row["side"] == "trainer":
             figures[f"{run}_vs_trainer"] = row["litft_speed_over_this"]
             figures[f"{run}_memory_vs_trainer"] = row["litft_memory_over_this"]
+        elif row["side"] == "litft-dropout-alternating":
+            figures[f"{run}_dropout_cost"] = row["dropout_cost"]
         elif row["side"].startswith("litft-"):
             figures[f"{run}_{row['side'].removeprefix('litft-')}_tok_s"] = row["tokens_per_s"]
             if row.get("peak_gb") is not None:
@@ -186,6 +189,10 @@ GROUPS = {
     "1b_lora": Group(VS, _vs("1b-lora", "--sides", "litft,trainer,litft-compiled"), 150, trainer_rows,
                      sample=(_trainer_line("1b-lora", "litft", 60000.0), _trainer_line("1b-lora", "trainer", 38000.0, 1.6),
                              _trainer_line("1b-lora", "litft-compiled", 62000.0))),
+    # What LoRA dropout costs a step: each step's batch timed with dropout and without, in two runs (issue 57).
+    "1b_lora_dropout": Group(VS, _vs("1b-lora", "--sides", "litft-dropout-alternating", "--lora_dropout", "0.05", steps=10), 120, trainer_rows,
+                             sample=(json.dumps({"run": "1b-lora", "side": "litft-dropout-alternating", "tokens_per_s": 60000.0,
+                                                 "peak_gb": 20.0, "dropout": 0.05, "dropout_cost": 1.05}),)),
     "1b_fp8": Group(VS, _vs("1b-full", "--sides", "litft-fp8"), 65, fp8_rows, needs=("torchao",),
                     sample=(_trainer_line("1b-full", "litft-fp8", 70000.0),)),
     "compile_ablation": Group("compile_ablation.py", ["--device", "cuda"], 170, ablation_rows,

@@ -507,7 +507,7 @@ def workloads(args) -> dict:
 
     chosen = {}
     for name in args.runs.split(","):
-        load = Workload(**{**asdict(CUDA_RUNS[name]), "seq_len": args.seq_len})
+        load = Workload(**{**asdict(CUDA_RUNS[name]), "seq_len": args.seq_len, "lora_dropout": args.lora_dropout})
         chosen[name] = (load, random_weights(load.shape, args.work_dir, load.layers))
     longest = max(load.seq_len * load.global_batch for load, _ in chosen.values())
     random_text(args.work_dir, longest * (args.steps + 2))
