@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from litft.errors import LitftError
-from litft.model.vision import auto_model_class
+from litft.model.vision import auto_model_class, language_model_name
 
 PEFT_PREFIX = "base_model.model."
 
@@ -330,3 +330,11 @@ def transformer_blocks(hf_model: nn.Module) -> List[nn.Module]:
             f"{type(hf_model).__name__} names no transformer block class (_no_split_modules); it cannot be sharded per block"
         )
     return blocks
+
+
+def language_model_blocks(hf_model: nn.Module) -> List[nn.Module]:
+    """A vision-language model's language-model blocks, in order: what ``--compile`` compiles there. The image encoder's
+    blocks run eager: they take a batch's images in whatever number and size it has (Qwen-VL's patches per image,
+    Idefics3's tiles), and the encoder is a small part of a step."""
+    inside = {id(m) for m in hf_model.get_submodule(language_model_name(hf_model)).modules()}
+    return [block for block in transformer_blocks(hf_model) if id(block) in inside]

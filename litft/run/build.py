@@ -33,7 +33,7 @@ from litft.model.loading import keep_4bit_training_layout, load_causal_lm, load_
 from litft.parallel.expert import compute_expert_lora
 from litft.parallel.strategies.base import Fill, TrainingStrategy
 from litft.model.weights import (
-    AdapterInit, Materializer, locate_checkpoint, skeleton, transformer_blocks,
+    AdapterInit, Materializer, language_model_blocks, locate_checkpoint, skeleton, transformer_blocks,
 )
 from litft.model.hub_layout import model_layout_weights
 
@@ -151,7 +151,8 @@ def build_module(
     lm.fp8_all_gather = fp8 == "tensorwise" and strategy.gathers_fp8
     if plan.compile.enabled:
         # Each block on its own, before any strategy wraps or shards it; compiled lazily, at its first call.
-        lm.compiled_kinds = compile_blocks(transformer_blocks(lm.hf_model))
+        blocks = language_model_blocks(lm.hf_model) if sees_images(lm.hf_model.config) else transformer_blocks(lm.hf_model)
+        lm.compiled_kinds = compile_blocks(blocks)
     if loads_4bit:
         return lm, AdapterInit(Materializer(lm.model, lm.hf_model, None, seed)), True
     weights = None if random_init else model_layout_weights(locate_checkpoint(source), lm.hf_model.config)

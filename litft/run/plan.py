@@ -119,8 +119,6 @@ COMPILE_BLOCKERS = (
      {"objective": "grpo", "data_kind": "prompts"}),
     ("expert", lambda f: f.expert > 1, "--expert_parallel (the dispatch reads its split sizes on the host)", "drop --expert_parallel",
      {"expert": 2}),
-    ("vision", lambda f: f.sees_images, "a vision-language model (its image encoder's blocks are not yet checked compiled)",
-     "drop --compile", {"sees_images": True}),
     ("tiled", lambda f: f.tiled_mlp, "--train.tiled_mlp (its number of chunks follows each batch's length: a recompile per length)",
      "drop --train.tiled_mlp", {"tiled_mlp": True}),
 )
@@ -309,6 +307,8 @@ class RunPlan:
         liger = facts.kernels == "liger" or (facts.kernels == "auto" and "liger_kernel" in facts.installed and facts.accelerator == "cuda")
         blockers = compile_blockers(facts)
         compiling = choose_compile(facts.compile, facts.accelerator, blockers[0][0] if blockers else None, facts.fp8)
+        if compiling.enabled and facts.sees_images:
+            compiling = CompileChoice(True, compiling.reason + " of the language model; the image encoder's blocks run eager")
         engine = rollout_engine(facts.rl, facts.engine, facts.accelerator, facts.installed, facts.quantize, facts.experts or facts.sees_images)
         return cls(facts.accelerator, facts.precision, param_dtype(facts.precision), compute_dtype(facts.precision), facts.strategy,
                    attention, rows, facts.boundary_kernels if rows == PACKED_WITH_BOUNDARIES else (), compiling, liger, facts.kernels,

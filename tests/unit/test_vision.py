@@ -140,7 +140,7 @@ def test_bad_image_records_are_refused_in_one_line(vision_folders, shapes, tmp_p
 
 
 def test_image_models_refuse_what_they_cannot_run_yet(vision_folders, shapes, tmp_path):
-    """Packing, scoring by generation and compile (as splits of the model and GRPO): one line each, before anything is written."""
+    """Packing and scoring by generation: one line each, before anything is written."""
     from litft.cli.jobs import JOBS
     from litft.config import EvalArgs
 
@@ -151,14 +151,12 @@ def test_image_models_refuse_what_they_cannot_run_yet(vision_folders, shapes, tm
     with pytest.raises(LitftError, match="not scored by generation yet"):
         JOBS["finetune_full"](source, out_dir=tmp_path / "c", data=JSON(json_path=train), eval=EvalArgs(score_samples=4), accelerator="cpu",
                               logger_name="csv")
-    with pytest.raises(LitftError, match="vision-language model"):
-        JOBS["finetune_lora"](source, out_dir=tmp_path / "b", data=JSON(json_path=train), compile=True, accelerator="cpu", logger_name="csv")
     # Mllama computes a record beside one with another number of images otherwise than alone (by hand: a one-image record
     # beside a two-image one, logits 1.4 apart): every record needs the same number, at least one.
     with pytest.raises(LitftError, match=r"^the data's records carry 0 to 1 images, and mllama computes"):
         JOBS["finetune_lora"](str(vision_folders["mllama"]), out_dir=tmp_path / "d", data=JSON(json_path=train, val_path=shapes[2]),
                               accelerator="cpu", logger_name="csv")
-    assert not any((tmp_path / name).exists() for name in "abcd")
+    assert not any((tmp_path / name).exists() for name in "acd")
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
@@ -296,7 +294,7 @@ def test_zero3_readies_trained_projectors_to_gather_once_a_forward(vision_folder
         model.model(input_ids=text)
 
 
-def image_step(folder, val, precision="32-true", lora=None, **train):
+def image_step(folder, val, precision="32-true", lora=None, compile="false", **train):
     """One forward and backward of a vision-language model's module over the records of ``val`` (two micro-batches of two):
     the summed loss, the gradients and the module."""
     from litft.config import Layout, TrainArgs
@@ -307,7 +305,7 @@ def image_step(folder, val, precision="32-true", lora=None, **train):
     from litft.run.plan import Facts, RunPlan
 
     train = TrainArgs(**train)
-    plan = RunPlan.decide(Facts(precision=precision, sees_images=True))
+    plan = RunPlan.decide(Facts(precision=precision, sees_images=True, compile=compile))
     lm, fill, _ = build_module(str(folder), plan, lora, train, 1, random_init=False, seed=0, device=torch.device("cpu"),
                                strategy=SingleDevice(Layout(), "cpu", precision, train))
     fill(lm)
@@ -345,6 +343,62 @@ def test_activation_offload_and_tiled_mlp_on_images_give_the_plain_step(name, vi
     loss_off, grads_off, _ = image_step(folder, val, "bf16-mixed", lora, gradient_checkpointing=True, activation_offload=True)
     assert torch.equal(loss, loss_off) and grads.keys() == grads_off.keys()
     assert all(torch.equal(grads[n], grads_off[n]) for n in grads)
+
+
+@pytest.mark.parametrize("model", VISION_MODELS, ids=[m.name for m in VISION_MODELS])
+def test_the_language_models_blocks_trace_as_one_graph_each(model, vision_folders, shapes):
+    """--compile on a vision-language model compiles its language model's blocks (``language_model_blocks``; the image
+    encoder's run eager): each traces whole (``fullgraph=True``; dynamo alone, no code generated) on padded rows with
+    images, a row without one among them, and gives the eager blocks' loss and gradients."""
+    from litft.model.weights import language_model_blocks
+    from litft.model.recurrent import text_config
+
+    folder = vision_folders[model.name]
+    prepared = JSON(json_path=shapes[2], val_path=shapes[2]).tokenize(load_tokenizer(str(folder)), 0)
+    lm = as_litft_builds_it(folder)
+    blocks = language_model_blocks(lm.hf_model)
+    assert len(blocks) == text_config(lm.hf_model.config).num_hidden_layers
+
+    def step():
+        lm.zero_grad()
+        losses = [lm.loss_sum(collate(prepared.val[start : start + 2], pad_id=0)) for start in range(0, len(prepared.val), 2)]
+        sum(losses).backward()
+        return [loss.item() for loss in losses], {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+    eager_losses, eager_grads = step()
+    torch._dynamo.reset()
+    try:
+        for block in blocks:
+            block.compile(fullgraph=True, backend="eager")
+        losses, grads = step()  # a graph break raises here, naming the line that broke it
+        from torch._dynamo.utils import counters
+
+        assert counters["stats"]["unique_graphs"] >= 1  # the blocks ran through dynamo (fullgraph frames are not counted as frames)
+    finally:
+        torch._dynamo.reset()
+    assert losses == pytest.approx(eager_losses, rel=1e-6) and grads.keys() == eager_grads.keys()
+    for name, grad in grads.items():
+        assert torch.linalg.vector_norm(grad - eager_grads[name]) <= 1e-5 * torch.linalg.vector_norm(eager_grads[name]) + 1e-8, name
+
+
+def test_compiled_language_model_blocks_give_the_eager_step_on_images(vision_folders, shapes):
+    """--compile true on a vision-language model (inductor's code, on the CPU): the step's loss and gradients as eager
+    blocks give them."""
+    folder, val = vision_folders["llava"], shapes[2]
+    loss, grads, _ = image_step(folder, val)
+    torch._dynamo.reset()
+    try:
+        loss_compiled, grads_compiled, lm = image_step(folder, val, compile="true")
+        from torch._dynamo.utils import counters
+
+        assert counters["frames"]["ok"] >= 1
+    finally:
+        torch._dynamo.reset()
+    assert lm.compiled_kinds == 1
+    torch.testing.assert_close(loss_compiled, loss, rtol=1e-5, atol=0)
+    assert grads_compiled.keys() == grads.keys()
+    for n in grads:
+        assert torch.linalg.vector_norm(grads_compiled[n] - grads[n]) <= 1e-4 * torch.linalg.vector_norm(grads[n]) + 1e-8, n
 
 
 def test_generate_with_an_image_answers_as_transformers_generates(vision_folders, shapes):
