@@ -359,7 +359,7 @@ def rollout_engine(rl: bool, asked: str, accelerator: str, installed: FrozenSet[
 def describe_lora_dropout(p: float) -> str:
     """Why the default is off: on SmolLM2-135M LoRA, 0.05 matched 0 on a 1.3-epoch fine-tune (held-out loss 0.0041 and
     0.0042), lowered it on 64 records over 10 epochs (0.117 against 0.130, two seeds) and cost about a tenth more time a step on
-    the CPU (benchmarks/vs_hf_trainer.py's litft-dropout-alternating side: 1.09-1.10x)."""
+    the CPU (benchmarks/record.py's lora_dropout_cost: 1.07-1.10x over six invocations at two batch shapes)."""
     if p == 0:
         return "LoRA dropout: off (peft's default; --lora_dropout 0.05 can help small data trained for many epochs, for about a tenth more time a step on the CPU)"
     return f"LoRA dropout: {p:g} (each adapter's own mask; about a tenth more time a step than --lora_dropout 0 on the CPU)"
