@@ -198,8 +198,9 @@ def versus_trainer(work: Path, runs: int = 2) -> Dict[str, float]:
 
 
 def lora_dropout_cost(work: Path, micro: int, total: int, runs: int = 2) -> float:
-    """LoRA's step time at dropout 0.05 over its time at 0, each step's batch timed both ways in one process
-    (vs_hf_trainer's litft-dropout-alternating side); the mean of ``runs`` invocations."""
+    """LoRA's step time at dropout 0.05 over its time at 0 (vs_hf_trainer's litft-dropout-alternating side: two runs, each
+    switching dropout every step, the second on the other steps, so each step's batch is timed both ways and each
+    process's own speed counts alike on both sides); the mean of ``runs`` invocations."""
     costs = [row["dropout_cost"] for _ in range(runs)
              for row in vs_trainer_rows(work, micro, total, "lora", ["--lora_dropout", "0.05"], "litft-dropout-alternating")]
     print(f"  lora_dropout_cost at micro-batch {micro}: runs {', '.join(f'{c:.3f}' for c in costs)}", flush=True)

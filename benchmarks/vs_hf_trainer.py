@@ -272,7 +272,7 @@ if change == "plain-loss":
     import litft.run.build
     litft.run.build.fuse_target_loss = lambda model: False
 if change.startswith("dropout-on-"):
-    sys.path.insert(0, {benchmarks!r})
+    sys.path.append({benchmarks!r})
     import vs_hf_trainer
     vs_hf_trainer.alternate_dropout(on_odd_steps=change == "dropout-on-odd")
 runpy.run_module("litft", run_name="__main__", alter_sys=True)
@@ -316,6 +316,8 @@ def alternate_dropout(on_odd_steps: bool):
 
 def dropout_alternating_side(args, load: Workload, model: Path, work: Path) -> dict:
     """``litft-dropout-alternating``: two runs, dropout on odd steps in one and on even steps in the other."""
+    if args.skip < 2:  # step 2 is each run's first of its second kind: its first-use costs must not count on one side
+        raise SystemExit("litft-dropout-alternating needs --skip 2 or more")
     if not load.lora_dropout:
         load = replace(load, lora_dropout=0.05)
     seconds, results = {True: 0.0, False: 0.0}, []

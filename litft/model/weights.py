@@ -337,4 +337,8 @@ def language_model_blocks(hf_model: nn.Module) -> List[nn.Module]:
     blocks run eager: they take a batch's images in whatever number and size it has (Qwen-VL's patches per image,
     Idefics3's tiles), and the encoder is a small part of a step."""
     inside = {id(m) for m in hf_model.get_submodule(language_model_name(hf_model)).modules()}
-    return [block for block in transformer_blocks(hf_model) if id(block) in inside]
+    blocks = [block for block in transformer_blocks(hf_model) if id(block) in inside]
+    if not blocks:
+        raise LitftError(f"{type(hf_model).__name__} names no block class of its language model (_no_split_modules), so --compile "
+                         "has nothing to compile; pass --compile false")
+    return blocks

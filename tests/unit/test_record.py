@@ -92,8 +92,8 @@ def test_the_longest_sequence_search_brackets_the_limit_within_2_percent_and_sto
 
 
 def test_the_dropout_cost_side_switches_every_adapters_dropout_at_each_optimizer_step():
-    """vs_hf_trainer's ``litft-dropout-alternating`` (the record's lora_dropout_cost): dropout on the even steps here, 0 on the
-    odd ones, every adapter alike; undone, adapters keep their dropout."""
+    """The switch under vs_hf_trainer's ``litft-dropout-alternating`` side (``alternate_dropout``): dropout on the even steps
+    here, 0 on the odd ones, every adapter alike; undone, adapters keep their dropout."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -359,21 +359,24 @@ def test_the_language_models_blocks_trace_as_one_graph_each(model, vision_folder
     blocks = language_model_blocks(lm.hf_model)
     assert len(blocks) == text_config(lm.hf_model.config).num_hidden_layers
 
+    batches = [prepared.val[0:2], prepared.val[3:5], prepared.val[2:3]]  # the text-only record 4 beside image record 3
+
     def step():
         lm.zero_grad()
-        losses = [lm.loss_sum(collate(prepared.val[start : start + 2], pad_id=0)) for start in range(0, len(prepared.val), 2)]
+        losses = [lm.loss_sum(collate(batch, pad_id=0)) for batch in batches]
         sum(losses).backward()
         return [loss.item() for loss in losses], {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
 
+    from torch._dynamo.utils import counters
+
     eager_losses, eager_grads = step()
     torch._dynamo.reset()
+    counters.clear()  # reset() leaves the process's counters
     try:
         for block in blocks:
             block.compile(fullgraph=True, backend="eager")
         losses, grads = step()  # a graph break raises here, naming the line that broke it
-        from torch._dynamo.utils import counters
-
-        assert counters["stats"]["unique_graphs"] >= 1  # the blocks ran through dynamo (fullgraph frames are not counted as frames)
+        assert counters["stats"]["unique_graphs"] >= 1  # these blocks ran through dynamo (fullgraph frames are not counted as frames)
     finally:
         torch._dynamo.reset()
     assert losses == pytest.approx(eager_losses, rel=1e-6) and grads.keys() == eager_grads.keys()
@@ -385,12 +388,13 @@ def test_compiled_language_model_blocks_give_the_eager_step_on_images(vision_fol
     """--compile true on a vision-language model (inductor's code, on the CPU): the step's loss and gradients as eager
     blocks give them."""
     folder, val = vision_folders["llava"], shapes[2]
+    from torch._dynamo.utils import counters
+
     loss, grads, _ = image_step(folder, val)
     torch._dynamo.reset()
+    counters.clear()  # reset() leaves the process's counters
     try:
         loss_compiled, grads_compiled, lm = image_step(folder, val, compile="true")
-        from torch._dynamo.utils import counters
-
         assert counters["frames"]["ok"] >= 1
     finally:
         torch._dynamo.reset()
