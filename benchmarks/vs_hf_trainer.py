@@ -323,8 +323,8 @@ def dropout_alternating_side(args, load: Workload, model: Path, work: Path) -> d
     seconds, results = {True: 0.0, False: 0.0}, []
     for change, on_odd in (("dropout-on-odd", True), ("dropout-on-even", False)):
         results.append(litft_side(args, load, model, work, change))
-        for step, tokens, secs in step_seconds(work / f"litft-{load.job}-{change}", args.skip):
-            seconds[step % 2 == int(on_odd)] += secs
+        for row, _, secs in step_seconds(logged_steps(work / f"litft-{load.job}-{change}"), args.skip):
+            seconds[int(row["step"]) % 2 == int(on_odd)] += secs
     return {"tokens_per_s": sum(r["tokens_per_s"] for r in results) / 2, "peak_gb": max(r["peak_gb"] for r in results),
             "dropout": load.lora_dropout, "dropout_cost": seconds[True] / seconds[False]}
 
@@ -381,19 +381,17 @@ def logged_steps(out: Path) -> list:
         return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("tokens_per_s")]
 
 
-def step_seconds(out: Path, skip: int) -> list:
-    """(step, tokens, seconds) of each logged step after the first ``skip``: each step is its own log window, so its tokens
+def step_seconds(rows: list, skip: int) -> list:
+    """(row, tokens, seconds) of each logged step after the first ``skip``: each step is its own log window, so its tokens
     (the cumulative count's step) over its tokens/s are its seconds."""
-    rows = logged_steps(out)
     tokens = [b["tokens"] - a for a, b in zip([0.0] + [r["tokens"] for r in rows], rows)]
-    return [(int(r["step"]), t, t / r["tokens_per_s"]) for t, r in zip(tokens, rows) if r["step"] > skip]
+    return [(r, t, t / r["tokens_per_s"]) for t, r in zip(tokens, rows) if r["step"] > skip]
 
 
 def steady_rates(out: Path, skip: int):
     """A litft run's logged steps, and its tokens/s and MFU over the steps after the first ``skip``."""
     rows = logged_steps(out)
-    mfus = {int(r["step"]): r.get("mfu") for r in rows}
-    steady = [(t, s, mfus[step]) for step, t, s in step_seconds(out, skip)]
+    steady = [(t, s, r.get("mfu")) for r, t, s in step_seconds(rows, skip)]
     seconds = sum(s for _, s, _ in steady)
     mfu = [m for *_, m in steady if m is not None]
     return rows, {
