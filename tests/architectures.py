@@ -177,9 +177,10 @@ def reference(folder, dtype=torch.float32, device="cpu"):
     return total.detach().cpu(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def as_litft_builds_it(folder, dtype=torch.float32, device="cpu", attention=None):
+def as_litft_builds_it(folder, dtype=torch.float32, device="cpu", attention=None, images=False):
     """The model as the jobs build it: meta skeleton, litft's fill block by block (as FSDP fills), litft_segments attention
-    (or ``attention``: a vision-language model's is transformers' SDPA), grouped experts, the fused head where it is exact."""
+    (or ``attention``: a vision-language model's is transformers' SDPA), grouped experts, the fused head where it is exact;
+    ``images``: as a run on image records builds it (a Qwen3.5 folder's image-text model)."""
     from litft.model.attention import SEGMENTS
     from litft.config import TrainArgs
     from litft.objectives import next_token
@@ -190,7 +191,9 @@ def as_litft_builds_it(folder, dtype=torch.float32, device="cpu", attention=None
     from litft.model.hub_layout import model_layout_weights
     from litft.model.weights import Materializer, skeleton, transformer_blocks
 
-    config = load_config(str(folder))
+    from litft.model.vision import reading_images
+
+    config = reading_images(load_config(str(folder))) if images else load_config(str(folder))
     check_architecture(config)
     model = skeleton(config, dtype)
     model.set_attn_implementation(attention or ("sdpa" if own_mask_layers(config) else SEGMENTS))

@@ -23,6 +23,11 @@ TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
 SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8)
 
 
+# Qwen3.5's language model: a gated delta rule layer (its state carried from token to token) before an attention layer.
+GATED_DELTA = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                   linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
+
 def tokenizer_with(specials: Dict[str, str]):
     """litft-tiny's tokenizer with a family's image tokens, by the names its processor reads (``tokenizer.image_token``...)."""
     from litft.model.loading import load_tokenizer
@@ -112,11 +117,11 @@ def paddleocr_vl(folder: Path):
     return config, processor
 
 
-def qwen_vl(config_class: str):
-    """A Qwen-VL model (2, 2.5 or 3) with a stand-in processor: transformers builds every Qwen-VL processor with a video
-    processor that needs torchvision, which these machines lack. PaddleOCR-VL's processor does what Qwen-VL's does for
-    images (an image's tokens as its (t, h, w) grid says, one token a merged patch) around Qwen2-VL's own image processor,
-    so the models' own code runs on what their processor would make of an image."""
+def qwen_vl(config_class: str, **text_fields):
+    """A Qwen-VL model (2, 2.5, 3 or 3.5; ``text_fields`` beside the common ones) with a stand-in processor: transformers
+    builds every Qwen-VL processor with a video processor that needs torchvision, which these machines lack. PaddleOCR-VL's
+    processor does what Qwen-VL's does for images (an image's tokens as its (t, h, w) grid says, one token a merged patch)
+    around Qwen2-VL's own image processor, so the models' own code runs on what their processor would make of an image."""
 
     def build(folder: Path):
         import transformers
@@ -130,7 +135,7 @@ def qwen_vl(config_class: str):
             ("image_token", "<|image_pad|>"), ("video_token", "<|video_pad|>"), ("vision_start_token", "<|vision_start|>"),
             ("vision_end_token", "<|vision_end|>"))}
         text = dict(TEXT, vocab_size=len(tok), head_dim=8, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}, **text_fields)
         vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
                       in_chans=3, in_channels=3, intermediate_size=64, out_hidden_size=32, mlp_ratio=2, num_position_embeddings=64,
                       deepstack_visual_indexes=[1])
@@ -286,6 +291,9 @@ VISION_MODELS = [
     VisionModel("mistral3", mistral3, "Pixtral's encoder: 2-D rotary patches cropped by each image's size, merged 2 x 2 (a stand-in processor)"),
     VisionModel("llama4", llama4, "chunked attention, MoE layers, pixel-shuffled tile patches (a stand-in processor)"),
     VisionModel("mllama", mllama, "cross-attention layers read the image tiles (aspect-ratio tiling, a cross-attention mask)"),
+    VisionModel("qwen3.5", qwen_vl("Qwen3_5Config", **GATED_DELTA), "gated delta rule layers (state) beside attention, 3-D rotary (a stand-in processor)"),
+    VisionModel("qwen3.5-moe", qwen_vl("Qwen3_5MoeConfig", **GATED_DELTA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                       shared_expert_intermediate_size=16), "gated delta rule layers and MoE with a shared expert (a stand-in processor)"),
     VisionModel("paddleocr-vl", paddleocr_vl, "dynamic resolution: tokens per image by its size, 3-D rotary positions (Qwen-VL's mechanisms)"),
 ]
 

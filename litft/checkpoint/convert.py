@@ -29,7 +29,7 @@ from litft.model.lora import expert_lora_config
 from litft.model.loading import load_config, load_tokenizer, resolve_model
 from litft.model.hub_layout import model_layout_weights
 from litft.data.images import load_processor
-from litft.model.vision import auto_model_class, sees_images
+from litft.model.vision import auto_model_class, reading_images, sees_images
 from litft.model.weights import PEFT_PREFIX, locate_checkpoint, skeleton, transformer_blocks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,13 +106,19 @@ def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
+def trained_config(meta: CheckpointMeta):
+    """The config of the model a checkpoint's run built: a composite folder's image-text model where the run read images."""
+    config = load_config(resolve_model(meta.model))
+    return reading_images(config) if meta.sees_images else config
+
+
 def export_bytes(trained: TrainedTensors, meta: CheckpointMeta, adapter_only: bool, dtype: Optional[str]) -> int:
     """What an export writes, tokenizer aside: the adapter's tensors, or every weight of the model (a tied one once)."""
     size = (lambda stored: DTYPES[dtype].itemsize) if dtype else (lambda stored: stored.itemsize)
     if adapter_only:
         return sum(math.prod(shape) * size(stored) for name, (shape, stored) in trained.shapes.items() if ADAPTER_KEY.search(name))
     stored = next(iter(trained.shapes.values()))[1]
-    return sum(p.numel() * size(stored) for p in skeleton(load_config(resolve_model(meta.model)), stored).parameters())
+    return sum(p.numel() * size(stored) for p in skeleton(trained_config(meta), stored).parameters())
 
 
 # Room kept beyond the tensors: tokenizer files, config, safetensors headers and the filesystem's own blocks.
@@ -161,7 +167,7 @@ def export(path: Path, target: Path, merge_lora: bool = True, dtype: Optional[st
 
 def _write_model(trained: TrainedTensors, meta: CheckpointMeta, run_config: dict, staging: Path, dtype: Optional[str], lora: bool, max_shard_bytes: int) -> None:
     source = resolve_model(meta.model)
-    config = load_config(source)
+    config = trained_config(meta)
     out_dtype = DTYPES[dtype] if dtype else next(iter(trained.shapes.values()))[1]
     # Frozen weights come from the model the run started from (LoRA's base; a vision-language model's frozen image encoder).
     base = model_layout_weights(locate_checkpoint(source), config) if lora or kept_frozen(config, meta) else None
@@ -218,7 +224,7 @@ def model_from_checkpoint(path: Path, dtype: Optional[torch.dtype] = None):
     run_config = yaml.safe_load((path / RUN_CONFIG).read_text())
     trained, lora = dcp_trained_tensors(path), meta.job == "finetune_lora"
     source = resolve_model(meta.model)
-    config = load_config(source)
+    config = trained_config(meta)
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
     out_dtype = dtype if isinstance(dtype, torch.dtype) else next(iter(trained.shapes.values()))[1]  # "auto": as trained
@@ -352,7 +358,7 @@ def _write_adapter(trained: TrainedTensors, meta: CheckpointMeta, run_config: di
     saved = {ADAPTER_KEY.sub(r".\1.weight", k): (v.to(out_dtype) if out_dtype else v).contiguous() for k, v in tensors.items()}
     adapted = {k.removesuffix(".lora_A.default.weight").removeprefix(PEFT_PREFIX) for k in tensors if ".lora_A." in k}
     # By short name (q_proj...), except in a vision-language model, whose encoder has layers of the same short names: by full name.
-    config = load_config(resolve_model(meta.model))
+    config = trained_config(meta)
     targets = sorted(adapted if sees_images(config) else {name.rsplit(".", 1)[-1] for name in adapted})
     experts = None
     if any(".base_layer.lora_A." in k for k in tensors) or "experts" in targets:  # adapters on MoE experts' tensors (ParamWrapper)

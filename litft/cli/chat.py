@@ -25,33 +25,37 @@ from litft.model.generation import stop_tokens
 from litft.cli.flags import GENERATION, PROMPT, TRAINED_MODEL, command
 from litft.data.images import load_processor, open_image, processor_call
 from litft.model.loading import load_config, load_tokenizer, resolve_model
-from litft.model.vision import answer_as_transformers_expects, auto_model_class, sees_images
+from litft.model.vision import answer_as_transformers_expects, auto_model_class, reading_images, sees_images
 
 ANSWER_STAND_IN = "x"  # the answer's turn is rendered with a stand-in, to find where the prompt ends
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines splits on
 HELP = "Ctrl-D or /exit quits, /reset starts a new conversation, Ctrl-C stops an answer"
 
 
-def _from_pretrained(source: str, dtype: torch.dtype):
+def _from_pretrained(source: str, dtype: torch.dtype, images: bool = False):
+    """``images``: a composite folder (Qwen3.5) as its image-text model, where litft would read it as its text model."""
+    config = reading_images(load_config(source)) if images else load_config(source)
     try:
-        model = auto_model_class(load_config(source)).from_pretrained(source, dtype=dtype).eval()
+        model = auto_model_class(config).from_pretrained(source, dtype=dtype).eval()
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise LitftError(f"could not load '{source}' ({first}); pass a model folder, a litft run or checkpoint, or a hub id") from None
+    model.config.architectures = [type(model).__name__]  # the class built, which litft.model.vision reads
     answer_as_transformers_expects(model)
     return model
 
 
-def _with_adapter(adapter: Path, dtype: torch.dtype):
+def _with_adapter(adapter: Path, dtype: torch.dtype, images: bool = False):
     """A peft adapter folder on the base model its config names."""
     from peft import PeftModel  # here, not at the top: litft.model.lora says why
 
     base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
-    return PeftModel.from_pretrained(_from_pretrained(resolve_model(base), dtype), str(adapter)).eval()
+    return PeftModel.from_pretrained(_from_pretrained(resolve_model(base), dtype, images), str(adapter)).eval()
 
 
-def load_for_chat(name: str, dtype: torch.dtype):
-    """The model, its tokenizer and a few words on what was loaded, for every form the module docstring lists."""
+def load_for_chat(name: str, dtype: torch.dtype, images: bool = False):
+    """The model, its tokenizer and a few words on what was loaded, for every form the module docstring lists; ``images``:
+    the conversation shows the model a picture."""
     path = Path(name).expanduser()
     if path.is_dir() and not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         if (path / CHECKPOINTS).is_dir() and (path / "final" / "config.json").is_file():
@@ -61,9 +65,9 @@ def load_for_chat(name: str, dtype: torch.dtype):
         elif (path / META).is_file() or (path / CHECKPOINTS).is_dir():
             return _from_checkpoint(resolve_resume(str(path), path), dtype)
     if (path / "adapter_config.json").is_file():
-        return _with_adapter(path, dtype), load_tokenizer(str(path)), f"adapter {path} on its base"
+        return _with_adapter(path, dtype, images), load_tokenizer(str(path)), f"adapter {path} on its base"
     source = resolve_model(str(path) if path.exists() else name)
-    return _from_pretrained(source, dtype), load_tokenizer(source), source
+    return _from_pretrained(source, dtype, images), load_tokenizer(source), source
 
 
 def _from_checkpoint(checkpoint: Path, dtype: torch.dtype):
@@ -101,7 +105,7 @@ class Conversation:
             raise LitftError("--system needs --prompt_style chat (a chat template has a place for it)")
         device = torch.device(resolve_accelerator(accelerator))
         dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-        self.model, self.tokenizer, self.loaded = load_for_chat(model, dtype)
+        self.model, self.tokenizer, self.loaded = load_for_chat(model, dtype, images=image is not None)
         self.model.to(device)
         if prompt_style == "chat" and not getattr(self.tokenizer, "chat_template", None):
             raise LitftError(f"{self.loaded} has no chat template; pass --prompt_style alpaca or plain, as the model was trained")

@@ -62,6 +62,11 @@ class DataModule:
         """Files whose contents the tokenized cache depends on."""
         return []
 
+    def names_images(self) -> bool:
+        """Whether the records carry images, told before the model is built: a composite folder whose causal-LM class is its
+        text model alone (Qwen3.5) builds its image-text model only for image records (litft.model.vision)."""
+        return False
+
     def config_dict(self) -> dict:
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
 

@@ -245,6 +245,14 @@ class HF(InstructionData):
         val_name = self.val_split or next((name for name in VAL_SPLITS if name in splits and name != self.split), None)
         return splits[self.split], splits.get(val_name) if val_name else None
 
+    def names_images(self) -> bool:
+        """An ``images`` column in the training split (a stream's first record tells, where it declares no features)."""
+        train, _ = self.splits(self.streaming)
+        names = getattr(train, "column_names", None)
+        if names is None:
+            names = list(next(iter(train), {}))
+        return IMAGES in names
+
     def stream_splits(self) -> Tuple[object, Optional[object]]:
         """The splits as streams, their images (where the dataset declares Image values) left as the files' bytes."""
         train, val = self.splits(streaming=True)

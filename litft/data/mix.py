@@ -78,6 +78,9 @@ class Mix(DataModule):
                 raise LitftError("--data Mix mixes map-style data; a streamed source (streaming true) cannot be mixed yet")
             source.check()
 
+    def names_images(self) -> bool:
+        return any(source.names_images() for source in self.sources)
+
     def load_or_tokenize(self, tokenizer, seed: int) -> PreparedData:
         """Each source tokenized and cached on its own; the mix is only an order over their samples."""
         parts = [source.load_or_tokenize(tokenizer, seed) for source in self.sources]

@@ -6,7 +6,7 @@ from typing import Callable, List, Optional, Tuple
 from litft.data.base import split_train_val
 from litft.data.hf import HF
 from litft.data.images import with_absolute_images
-from litft.data.sft import images_named_in, read_records
+from litft.data.sft import files_name_images, images_named_in, read_records
 from litft.errors import LitftError
 
 
@@ -18,6 +18,16 @@ class RecordSource:
     def source_files(self):
         files = [Path(p) for p in (self.path, self.val_path) if p is not None and Path(p).is_file()]
         return files + images_named_in([p for p in files if p.suffix in (".json", ".jsonl")])
+
+    def names_images(self) -> bool:
+        """Records of a JSON/JSONL file, or a dataset's ``images`` column."""
+        def names(where: str) -> bool:
+            local = Path(where).expanduser()
+            if local.suffix in (".json", ".jsonl") and local.is_file():
+                return files_name_images([local])
+            return HF(path=where, name=self.name, split=self.split).names_images()
+
+        return any(names(where) for where in (self.path, self.val_path) if where is not None)
 
     def read(self, where: str) -> Tuple[List[dict], Optional[List[dict]]]:
         """The records of a JSON/JSONL file (no validation split), or of a dataset's training split and its validation split."""

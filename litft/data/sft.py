@@ -53,6 +53,12 @@ def images_named_in(json_files: List[Path]) -> List[Path]:
     return image_files([r for p in named for r in with_absolute_images(read_records(p), p.parent)])
 
 
+def files_name_images(json_files: List[Path]) -> bool:
+    """Whether any record of these JSON/JSONL files is in a vision layout (files that never mention an image are not parsed)."""
+    named = [p for p in json_files if '"image' in p.read_text(encoding="utf-8", errors="replace")]
+    return any(carries_images(r) for p in named for r in read_records(p))
+
+
 class InstructionData(DataModule):
     """Shared tokenization of instruction records; subclasses say where records come from."""
 
@@ -209,6 +215,9 @@ class JSON(InstructionData):
     def source_files(self):
         files = [p for p in (self.json_path, self.val_path) if p is not None and p.is_file()]
         return files + images_named_in(files)
+
+    def names_images(self) -> bool:
+        return files_name_images([p for p in (self.json_path, self.val_path) if p is not None and p.is_file()])
 
     def val_path_name(self) -> Optional[str]:
         return str(self.val_path) if self.val_path is not None else None

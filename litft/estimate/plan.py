@@ -18,7 +18,7 @@ from litft.estimate.trace import trace_activations
 from litft.model.flops import expert_count, experts_per_token, flops_per_token
 from litft.model.recurrent import carries_state, text_config
 from litft.data.images import load_processor
-from litft.model.vision import sees_images, tokens_per_image
+from litft.model.vision import reading_images, sees_images, tokens_per_image
 from litft.run.plan import DATA_KINDS, Facts, installed_packages, refuse, rollout_engine, split_refusal
 from litft.run.logs import quiet_libraries
 from litft.estimate.memory import GiB, Row
@@ -147,6 +147,8 @@ def plan_memory(flags: dict) -> dict:
     if source.endswith(".json") and Path(source).is_file():
         source = str(Path(source).parent)
     config = load_config(resolve_model(source))
+    if flags.get("image_size") is not None:
+        config = reading_images(config)  # a run on image records: a composite folder's image-text model (Qwen3.5)
     check_architecture(config)
     refuse_combinations(flags, precision, layout, strategy, objective, config)
     if flags["attention"] is not None:

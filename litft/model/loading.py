@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from litft.errors import LitftError
 from litft.model.recurrent import STATE_LAYER_TYPES, check_recurrent
-from litft.model.vision import auto_model_class
+from litft.model.vision import as_text_model, auto_model_class
 from litft.model.tiny import TINY_NAMES, ensure_tiny_model
 from litft.model.weights import skeleton, transformer_blocks
 
@@ -53,8 +53,10 @@ def load_tokenizer(source: str):
 
 
 def load_config(source: str):
+    """The folder's (or hub id's) config as litft reads it: a composite folder that trains as its text model names that
+    class (litft.model.vision.as_text_model)."""
     try:
-        return AutoConfig.from_pretrained(source)
+        return as_text_model(AutoConfig.from_pretrained(source))
     except (OSError, ValueError) as err:
         raise _hub_error(source, err) from None
 
@@ -118,22 +120,24 @@ def token_mixers(config, types: List[str], kinds: List[str]) -> Dict[str, Option
     return found
 
 
-def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quantization_config=None, device=None):
-    """Weights from ``source``, or a seeded random init of its config for pretraining.
+def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quantization_config=None, device=None, config=None):
+    """Weights from ``source``, or a seeded random init of its config for pretraining; ``config``: the run's, where it
+    chose the class (a composite folder's image-text model: litft.model.vision.reading_images).
 
     bitsandbytes quantizes while loading, so a quantized model is loaded straight
     onto ``device``, the one it will train on.
     """
+    config = config if config is not None else load_config(source)
     if random_init:
-        config = load_config(source)
         return auto_model_class(config).from_config(config, dtype=dtype)
     kwargs = {"dtype": dtype}
     if quantization_config is not None:
         kwargs.update(quantization_config=quantization_config, device_map={"": device or torch.device("cpu")})
     try:
-        model = auto_model_class(load_config(source)).from_pretrained(source, **kwargs)
+        model = auto_model_class(config).from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:
         raise _hub_error(source, err) from None
+    model.config.architectures = [type(model).__name__]  # the folder's may name the image-text class of a text model it holds
     if quantization_config is not None:
         keep_4bit_training_layout(model)
     return model

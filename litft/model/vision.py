@@ -5,6 +5,7 @@ users expect: the projector and the language model learn), which linear layers L
 micro-batch, made at each step by the model's own processor from the texts and image files the samples keep.
 """
 
+import copy
 import functools
 import inspect
 import threading
@@ -28,24 +29,57 @@ PROJECTOR_NAMES = ("merger", "projector", "connector")
 SEEN_THROUGH_THEIR_OWN_CLASS = ("mllama", "llama4")
 
 
+# Language models that carry state (litft.model.recurrent), by their text config's type, whose image-text models' loss and
+# gradients on padded rows with images equal transformers' eager forward (tests/unit/test_vision.py): Qwen3.5 and its MoE.
+STATE_CHECKED_WITH_IMAGES = ("qwen3_5_text", "qwen3_5_moe_text")
+
+
+def _composite(config):
+    """(the image-text class, the causal-LM class) of an image-text model's config with an image encoder; None otherwise."""
+    kind = config.model_type
+    if kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is None:
+        return None
+    own = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[kind]
+    return own, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind, own)
+
+
 def sees_images(config) -> bool:
     """A vision-language model's config, as litft builds it: an image-text-to-text model with an image encoder, whose
     causal-LM class (where transformers has one) is that same model, or one of ``SEEN_THROUGH_THEIR_OWN_CLASS``. Where the
-    causal-LM class is the text model alone (Qwen3.5), litft trains that, as before it read images."""
-    kind = config.model_type
-    if kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is None:
+    causal-LM class is the text model alone (Qwen3.5), litft trains that unless the run reads images: ``reading_images``
+    then names the image-text class in ``architectures``, which ``load_config`` set to the text model's."""
+    classes = _composite(config)
+    if classes is None:
         return False
-    own = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[kind]
-    return kind in SEEN_THROUGH_THEIR_OWN_CLASS or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind, own) == own
+    own, causal = classes
+    return config.model_type in SEEN_THROUGH_THEIR_OWN_CLASS or causal == own or list(getattr(config, "architectures", None) or []) == [own]
 
 
 def trained_as_text_model(config) -> Optional[str]:
     """transformers' causal-LM class, where litft trains it for a composite folder (a vision config beside the text one) as the
-    text model alone (Qwen3.5's hub checkpoints); None for any other folder."""
-    kind = config.model_type
-    if sees_images(config) or kind not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is None:
-        return None
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)
+    text model alone (Qwen3.5's hub checkpoints, on text records); None for any other folder."""
+    classes = _composite(config)
+    return None if classes is None or sees_images(config) else classes[1]
+
+
+def as_text_model(config):
+    """``config`` as litft reads a folder: a composite one whose causal-LM class is its text model names that class (the
+    hub's Qwen3.5 folders name the image-text one), so that only a run that reads images builds the image-text model."""
+    classes = _composite(config)
+    if classes is not None and config.model_type not in SEEN_THROUGH_THEIR_OWN_CLASS and classes[1] != classes[0]:
+        config.architectures = [classes[1]]
+    return config
+
+
+def reading_images(config):
+    """``config`` for a run whose records carry images: a composite folder's image-text model (Qwen3.5's
+    Qwen3_5ForConditionalGeneration), where litft would otherwise train its text model; any other config as it is."""
+    classes = _composite(config)
+    if classes is None or sees_images(config):
+        return config
+    config = copy.deepcopy(config)
+    config.architectures = [classes[0]]
+    return config
 
 
 def describe_text_model(config) -> Optional[str]:
@@ -54,7 +88,8 @@ def describe_text_model(config) -> Optional[str]:
     if causal is None:
         return None
     return (f"vision: this {MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type]} folder trains as its text model, {causal} "
-            "(transformers' causal-LM class): its image encoder is not loaded, and final/ holds the text model alone")
+            "(transformers' causal-LM class) on these text records: its image encoder is not loaded, and final/ holds the text model "
+            "alone (records with images train the image-text model)")
 
 
 def auto_model_class(config):
@@ -384,8 +419,9 @@ def check_images_fit(config, has_images: bool, data=None) -> None:
                              "at least one (Llama 3.2 Vision takes one), and train text records in a run of their own")
     if has_images and not sees_images(config):
         if trained_as_text_model(config):
-            raise LitftError(f"the data's records carry images, and litft trains {config.model_type}'s text model (transformers' causal-LM "
-                             "class for it): its images are not wired yet; drop the images or train another vision-language model")
+            raise LitftError(f"the data's records carry images, and this run built {config.model_type}'s text model: litft builds its "
+                             "image-text model where the data files name images before the run starts (JSON's records, a dataset's "
+                             "images column); put the images there, or drop them")
         raise LitftError(f"the data's records carry images, and {config.model_type} models read text only; train a vision-language "
                          "model (an AutoModelForImageTextToText folder) or drop the images")
 

@@ -62,7 +62,8 @@ def build_model(
     dtype = dtype or param_dtype(precision)
     base_dtype = frozen_dtype if lora is not None and frozen_dtype is not None else dtype
     if quantize is not None and source is not None:
-        model = load_causal_lm(source, random_init=False, dtype=base_dtype, quantization_config=quantization, device=device)
+        model = load_causal_lm(source, random_init=False, dtype=base_dtype, quantization_config=quantization, device=device,
+                               config=config)
     else:
         model = structure(config, base_dtype)
         if quantize is not None:

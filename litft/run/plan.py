@@ -24,7 +24,7 @@ from litft.model.kernels import describe_kernels
 from litft.model.loading import own_mask_layers
 from litft.model.recurrent import boundary_kernels, carries_state, describe as describe_rows_of_state
 from litft.model.recurrent import text_config
-from litft.model.vision import sees_images
+from litft.model.vision import STATE_CHECKED_WITH_IMAGES, sees_images
 
 # How a micro-batch's samples sit in its rows.
 PADDED = "padded"  # a sample per right-padded row: attention that cannot keep packed samples apart, or layers that carry state
@@ -207,7 +207,7 @@ REFUSALS: Tuple[Refusal, ...] = (
     Refusal("own-masks-rows", lambda f: f.own_masks is not None and (f.packing or f.attention in PACKED_SAFE), lambda f: (
         f"{f.model_type}'s {f.own_masks} layers attend within chunks of the sequence, which only transformers' own masks compute: "
         "litft trains it a sample per padded row; drop --data.packing and use --attn_implementation auto, sdpa or eager"), {"own_masks": "chunked_attention", "model_type": "llama4", "packing": True}),
-    Refusal("vision-state", lambda f: f.sees_images and f.carries_state, lambda f: (
+    Refusal("vision-state", lambda f: f.sees_images and f.carries_state and f.model_type not in STATE_CHECKED_WITH_IMAGES, lambda f: (
         f"vision-language models whose language model carries state ({f.model_type}) are not checked against transformers yet; "
         "train the text model alone or another vision-language model"), {"sees_images": True, "carries_state": True}),
     Refusal("vision-vllm", lambda f: f.sees_images and f.rl and f.engine == "vllm", lambda f: (

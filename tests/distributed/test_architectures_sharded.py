@@ -45,10 +45,13 @@ CASES = {
 # each, as Mllama needs) and under full fine-tuning, where the projector trains (PaddleOCR-VL's 3-D positions; its
 # projector's layers, run once per image by transformers, run once a forward, as the ranks' micro-batches hold 2, 1 and 0
 # images). Llama 4 under FSDP: its MoE language model, and a projector its forward runs outside get_image_features, which
-# the stand-in image must reach too. The last field: the data's folder.
+# the stand-in image must reach too. Qwen3.5-MoE under FSDP with LoRA: gated delta rule layers (state, a sample per padded
+# row) and experts in the language model of a folder that trains as its text model on text records. The last field: the
+# data's folder.
 VISION_CASES = {
     "fsdp-vision": ("gemma3", "finetune_full", ["--strategy", "fsdp", "--devices", "2"], "shapes"),
     "fsdp-vision-moe": ("llama4", "finetune_full", ["--strategy", "fsdp", "--devices", "2"], "shapes"),
+    "fsdp-vision-state": ("qwen3.5-moe", "finetune_lora", ["--strategy", "fsdp", "--devices", "2"], "shapes"),
     "zero3-vision-lora": ("mllama", "finetune_lora", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"], "images"),
     "zero3-vision-full": ("paddleocr-vl", "finetune_full", ["--strategy", "deepspeed", "--deepspeed.stage", "3", "--devices", "2"], "shapes"),
 }

@@ -405,7 +405,8 @@ def test_a_composite_folder_says_on_its_first_screen_that_it_trains_its_text_mod
                                    logger_name="csv")
     said = capsys.readouterr().out
     assert ("vision: this Qwen3_5ForConditionalGeneration folder trains as its text model, Qwen3_5ForCausalLM (transformers' "
-            "causal-LM class): its image encoder is not loaded, and final/ holds the text model alone") in said, said[-2000:]
+            "causal-LM class) on these text records: its image encoder is not loaded, and final/ holds the text model alone (records "
+            "with images train the image-text model)") in said, said[-2000:]
     assert json.loads((result.final_dir / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
     # The estimate counts what trains (the text model) and names the attention it built (the composite config names none).
     from litft.__main__ import main

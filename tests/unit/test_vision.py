@@ -41,7 +41,7 @@ def as_litft_builds_it(folder):
     from litft.model.vision import ImageInputs
     from tests.architectures import as_litft_builds_it as built
 
-    lm = built(folder, attention="sdpa")
+    lm = built(folder, attention="sdpa", images=True)
     lm.images = ImageInputs(load_processor(str(folder)), lm.hf_model)
     return lm
 
@@ -69,11 +69,16 @@ def test_loss_and_gradients_equal_transformers(model, vision_folders, shapes):
         assert (grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-6 * scale, name
 
 
-@pytest.mark.parametrize("job, name", [("finetune_lora", "gemma3"), ("finetune_full", "paddleocr-vl")])
-def test_jobs_train_images_and_export_what_transformers_loads(job, name, vision_folders, shapes, tmp_path):
+# Where full fine-tuning's checks find each model's image encoder (frozen) and projector (trained), by parameter name.
+ENCODER_AND_PROJECTOR = {"paddleocr-vl": (".visual.vision_model.", ".projector."), "qwen3.5": (".visual.blocks.", ".visual.merger.")}
+
+
+@pytest.mark.parametrize("job, name", [("finetune_lora", "gemma3"), ("finetune_full", "paddleocr-vl"), ("finetune_full", "qwen3.5")])
+def test_jobs_train_images_and_export_what_transformers_loads(job, name, vision_folders, shapes, tmp_path, capsys):
     """Step 0's val_loss is the model's own; full fine-tuning keeps the image encoder frozen and trains the projector; LoRA
     adapts the language model only. The export loads with AutoModelForImageTextToText and AutoProcessor (peft's PeftModel
-    on the base for the adapter) and gives the run's last val_loss."""
+    on the base for the adapter) and gives the run's last val_loss. A Qwen3.5 folder, which trains as its text model on
+    text records, trains and exports its image-text model on these image records."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -87,6 +92,20 @@ def test_jobs_train_images_and_export_what_transformers_loads(job, name, vision_
                        train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=2, save_interval=None, learning_rate=1e-2),
                        eval=EvalArgs(interval=10**6, initial_validation=True), accelerator="cpu", logger_name="csv")
     first, last = [h["val_loss"] for h in result.history if "val_loss" in h]
+    if name == "qwen3.5":
+        assert "trains as its text model" not in capsys.readouterr().out
+        exported_config = json.loads((result.final_dir / "config.json").read_text())
+        assert exported_config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in exported_config
+        # Its checkpoints say so: a resume on text records (which would build the text model) is one line.
+        import dataclasses
+
+        from litft.checkpoint.format import CheckpointMeta
+
+        newest = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
+        meta = CheckpointMeta.read(newest)
+        assert meta.sees_images
+        with pytest.raises(LitftError, match="was trained on image records .*resume it with data of the same kind"):
+            meta.check_fits(newest, dataclasses.replace(meta, sees_images=False))
     expected, count, _ = reference_loss(source, records, folder)
     assert abs(first - expected.item() / count) <= 1e-5 * first
     AutoProcessor.from_pretrained(result.final_dir)  # the processor travels with the export
@@ -98,8 +117,10 @@ def test_jobs_train_images_and_export_what_transformers_loads(job, name, vision_
     else:
         exported = AutoModelForImageTextToText.from_pretrained(result.final_dir, attn_implementation="eager")
         before, after = base.state_dict(), exported.state_dict()
-        assert all(torch.equal(before[k], after[k]) for k in before if ".visual.vision_model." in k)
-        assert not all(torch.equal(before[k], after[k]) for k in before if ".projector." in k)
+        encoder, projector = ENCODER_AND_PROJECTOR[name]
+        assert before.keys() == after.keys() and any(encoder in k for k in before) and any(projector in k for k in before)
+        assert all(torch.equal(before[k], after[k]) for k in before if encoder in k)
+        assert not all(torch.equal(before[k], after[k]) for k in before if projector in k)
     again, _, _ = reference_loss(source, records, folder, model=exported)
     assert abs(again.item() / count - last) <= 1e-5 * last
 
@@ -183,6 +204,13 @@ def test_rl_prompts_about_images_keep_their_pictures_and_refuse_bad_records_in_o
         if "images" in record:
             assert json.loads(sample["columns"]["images"]) == [str(tmp_path / p) for p in record["images"]]
     assert prepared.scoring == []  # scoring by generation reads text prompts
+    # Told before the model is built (a Qwen3.5 folder builds its image-text model for them); text prompts name none.
+    from litft.data import Mix, TinyPrompts
+
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"prompt": "Name a colour.", "answer": "red"}) + "\n")
+    assert Prompts(path=str(path)).names_images() and not Prompts(path=str(text)).names_images() and not TinyPrompts().names_images()
+    assert Mix(sources=[Prompts(path=str(text)), Prompts(path=str(path))]).names_images()
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(dict(records[0], images=records[0]["images"] * 2)) + "\n")
     with pytest.raises(LitftError, match=r"record 0 of .*1 image part\(s\) in its turns and 2 image\(s\)"):
@@ -200,6 +228,7 @@ def test_a_datasets_image_column_gives_the_samples_of_the_same_jsonl(vision_fold
     rows = [dict(r, images=[str(folder / p) for p in r.get("images", [])]) for r in records if r.get("images") and "messages" in r]
     table = datasets.Dataset.from_list(rows).cast_column("images", datasets.List(datasets.Image()))
     datasets.DatasetDict({"train": table, "validation": table}).save_to_disk(str(tmp_path / "hf"))
+    (tmp_path / "text.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "an image?"}, {"role": "assistant", "content": "no"}]}) + "\n")
     path = tmp_path / "some.jsonl"
     path.write_text("".join(json.dumps(dict(r, images=[str(folder / p) for p in r["images"]])) + "\n" for r in rows))
     tokenizer = load_tokenizer(str(vision_folders["idefics3"]))
@@ -211,6 +240,8 @@ def test_a_datasets_image_column_gives_the_samples_of_the_same_jsonl(vision_fold
         return torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"]) and a["images"] == b["images"]
 
     assert all(same(a, b) for a, b in zip(ours, theirs))
+    assert HF(path=str(tmp_path / "hf")).names_images() and HF(path=str(tmp_path / "hf"), streaming=True).names_images()
+    assert JSON(json_path=path).names_images() and not JSON(json_path=tmp_path / "text.jsonl").names_images()
     # Streamed (--data.streaming true): validation records from the head of the split, training records encoded as reached,
     # the same samples; one longer than --data.max_seq_length with its image tokens (never cut) carries no target.
     streamed = HF(path=str(tmp_path / "hf"), streaming=True, val_samples=len(rows)).load_or_tokenize(tokenizer, 0)
@@ -405,9 +436,11 @@ def test_compiled_language_model_blocks_give_the_eager_step_on_images(vision_fol
         assert torch.linalg.vector_norm(grads_compiled[n] - grads[n]) <= 1e-4 * torch.linalg.vector_norm(grads[n]) + 1e-8, n
 
 
-def test_generate_with_an_image_answers_as_transformers_generates(vision_folders, shapes):
+@pytest.mark.parametrize("name", ["llava", "qwen3.5"])
+def test_generate_with_an_image_answers_as_transformers_generates(name, vision_folders, shapes):
     """litft generate --image: the picture in the first user turn through the model's processor and chat template; greedy,
-    the same tokens as transformers' generate on what the processor makes of that conversation. A text model refuses it."""
+    the same tokens as transformers' generate on what the processor makes of that conversation (a Qwen3.5 folder loads its
+    image-text model for it). A text model refuses it."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -415,7 +448,7 @@ def test_generate_with_an_image_answers_as_transformers_generates(vision_folders
 
     folder, _, _, records = shapes
     image = folder / records[0]["images"][0]
-    source = vision_folders["llava"]
+    source = vision_folders[name]
     conversation = Conversation(str(source), None, 6, 0.0, 1.0, "chat", "cpu", 0, image=image)
     answer = conversation.answer("What colour is the shape?")
     processor = AutoProcessor.from_pretrained(source)
@@ -426,6 +459,8 @@ def test_generate_with_an_image_answers_as_transformers_generates(vision_folders
     out = model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=processor.tokenizer.eos_token_id,
                          pad_token_id=processor.tokenizer.pad_token_id)
     assert answer == processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    if name != "llava":
+        return
     with pytest.raises(LitftError, match="reads text only"):
         Conversation("litft-tiny", None, 6, 0.0, 1.0, "chat", "cpu", 0, image=image)
 
@@ -482,8 +517,8 @@ def test_a_resumed_image_run_matches_the_uninterrupted_one(vision_folders, shape
 def test_which_configs_train_as_vision_language_models(vision_folders):
     """A model trains as a VLM where its causal-LM class is the image-text-to-text model itself (Gemma 3), it has none
     (LLaVA...), or it is Mllama or Llama 4; where transformers' causal-LM class is the text model alone (Qwen3.5), litft trains
-    that, as before. A VLM's
-    rows are padded whatever attention is asked for: its own forward makes the positions and masks."""
+    that on text records and the image-text model on image records, the folder's config (which names the latter) read as the
+    former. A VLM's rows are padded whatever attention is asked for: its own forward makes the positions and masks."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -500,10 +535,17 @@ def test_which_configs_train_as_vision_language_models(vision_folders):
     assert sees_images(llama4) and auto_model_class(llama4) is AutoModelForImageTextToText
     qwen = transformers.Qwen3_5Config()
     assert not sees_images(qwen) and auto_model_class(qwen) is AutoModelForCausalLM
+    from litft.model.vision import reading_images
+
+    hub = load_config(str(vision_folders["qwen3.5"]))  # saved as Qwen3_5ForConditionalGeneration, read as the text model
+    assert hub.architectures == ["Qwen3_5ForCausalLM"] and not sees_images(hub) and auto_model_class(hub) is AutoModelForCausalLM
+    images = reading_images(hub)
+    assert sees_images(images) and auto_model_class(images) is AutoModelForImageTextToText and not sees_images(hub)
+    assert reading_images(load_config(str(vision_folders["gemma3"]))).architectures == ["Gemma3ForConditionalGeneration"]
     # Image records on a model trained as text: one line, which says whether the model itself could see them.
     from litft.model.vision import check_images_fit
 
-    for config, says in ((qwen, "litft trains qwen3_5's text model"), (transformers.LlamaConfig(), "llama models read text only")):
+    for config, says in ((qwen, "this run built qwen3_5's text model"), (transformers.LlamaConfig(), "llama models read text only")):
         with pytest.raises(LitftError, match=says):
             check_images_fit(config, True)
         check_images_fit(config, False)
@@ -588,6 +630,10 @@ def test_the_estimate_counts_each_images_tokens_by_the_models_processor(vision_f
     assert [plans[s]["row_len"] for s in ("32", "48x48", None)] == [64 + 2 * 6, 64 + 2 * 11, 64]
     peaks = [plans[s]["activations"]["peak"] for s in (None, "32", "48x48")]
     assert peaks == sorted(peaks) and len(set(peaks)) == 3
+    # A Qwen3.5 folder: its text model without the flag, its image-text model (the image encoder counted) with it.
+    qwen = {size: memory_plan(model=str(vision_folders["qwen3.5"]), accelerator="cpu", seq_len=64, image_size=size) for size in ("32", None)}
+    assert qwen["32"]["tokens_per_image"] == 4 + 2 and qwen["32"]["parameters"]["total"] > qwen[None]["parameters"]["total"]
+    assert qwen["32"]["vision"] and not qwen[None]["vision"]
     for model, size, says in ((str(ensure_tiny_model()), "32", "is for vision-language models"), (folder, "big", "give WIDTHxHEIGHT")):
         with pytest.raises(LitftError, match=says):
             memory_plan(model=model, accelerator="cpu", image_size=size)
