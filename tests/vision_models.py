@@ -218,14 +218,14 @@ def mllama(folder: Path):
     return config, processor
 
 
-def qwen_vl_own_processor(config_class: str, processor_class: str, video_class: str):
+def qwen_vl_own_processor(config_class: str, processor_class: str, video_class: str, **text_fields):
     """A Qwen-VL model with its own processor, video processor included: where torchvision imports (not on the test
     machines: REAL_PROCESSORS)."""
 
     def build(folder: Path):
         import transformers
 
-        config, stand_in = qwen_vl(config_class)(folder)
+        config, stand_in = qwen_vl(config_class, **text_fields)(folder)
         images = transformers.Qwen2VLImageProcessor(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=48 * 48)
         video = getattr(transformers, video_class)(patch_size=8, merge_size=2, temporal_patch_size=2)
         processor = getattr(transformers, processor_class)(image_processor=images, tokenizer=stand_in.tokenizer, video_processor=video,
@@ -304,6 +304,7 @@ REAL_PROCESSORS = [
     VisionModel("qwen2-vl-own-processor", qwen_vl_own_processor("Qwen2VLConfig", "Qwen2VLProcessor", "Qwen2VLVideoProcessor")),
     VisionModel("qwen2.5-vl-own-processor", qwen_vl_own_processor("Qwen2_5_VLConfig", "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor")),
     VisionModel("qwen3-vl-own-processor", qwen_vl_own_processor("Qwen3VLConfig", "Qwen3VLProcessor", "Qwen3VLVideoProcessor")),
+    VisionModel("qwen3.5-own-processor", qwen_vl_own_processor("Qwen3_5Config", "Qwen3VLProcessor", "Qwen3VLVideoProcessor", **GATED_DELTA)),
     VisionModel("mistral3-own-processor", mistral3_own_processor),
     VisionModel("llama4-own-processor", llama4_own_processor),
 ] if torchvision_imports() else []
