@@ -14,7 +14,7 @@ from litft.device import compute_dtype, element_size
 from litft.errors import LitftError
 from litft.estimate.inventory import model_tensors
 from litft.estimate.states import memory_layout
-from litft.estimate.trace import trace_activations
+from litft.estimate.trace import trace_activations, trace_image_encoder
 from litft.model.flops import expert_count, experts_per_token, flops_per_token
 from litft.model.recurrent import carries_state, text_config
 from litft.data.images import load_processor
@@ -169,6 +169,12 @@ def plan_memory(flags: dict) -> dict:
     # Offloading saves nothing where the device is the host: the CPU's estimate traces the run without it.
     traced = trace_both(config, strategy, layout, precision, lora, replace(train, activation_offload=train.activation_offload and not on_cpu),
                         tokens_per_rank, frozen_dtype, objective, flags.get("one_mode", False))
+    encoder = None
+    if image_size is not None:  # the images through the encoder first; what that leaves stays live through the step
+        encoder = trace_encoder(config, strategy, layout, precision, lora, train, frozen_dtype, resolve_model(source), image_size,
+                                flags.get("images", 1), train.micro_batch_size * built.rows_per_sample)
+    if encoder is not None:
+        traced = {k: replace(a, peak=max(encoder.peak, a.peak + encoder.saved), saved=a.saved + encoder.saved) for k, a in traced.items()}
     itemsize = element_size(compute_dtype(precision))
     experts = experts_facts(config, tensors, layout.expert_parallel, train.micro_batch_size * tokens_per_rank * built.rows_per_sample,
                             itemsize, flags["seq_len"])
@@ -184,6 +190,7 @@ def plan_memory(flags: dict) -> dict:
         "gradient_checkpointing": train.gradient_checkpointing, "attention": attention,
         "activation_offload": train.activation_offload, "tiled_mlp": train.tiled_mlp, "vision": sees_images(config),
         "image_size": image_size, "images": flags.get("images", 1), "tokens_per_image": image_tokens,
+        "image_encoder": None if encoder is None else {"peak": encoder.peak, "kept": encoder.saved},
         "parameters": {"total": sum(t.numel for t in tensors), "trained": sum(t.numel for t in tensors if t.trainable),
                        "quantized": sum(t.numel for t in tensors if t.quantized)},
         "quant_state_bytes": sum(t.quant_state for t in tensors),
@@ -302,6 +309,16 @@ def trace_both(config, strategy, layout, precision: str, lora, train, tokens_per
     return traced
 
 
+def trace_encoder(config, strategy, layout, precision: str, lora, train, frozen_dtype, folder: str, image_size: str, per_sample: int,
+                  samples: int):
+    """The image encoder's activations for one micro-batch's images of ``image_size`` (WIDTHxHEIGHT), or None where litft
+    cannot run the encoder alone (litft.estimate.trace.trace_image_encoder)."""
+    params_dtype, autocast = strategy.compute_view(layout, precision)
+    build = {"precision": precision, "lora": lora, "gradient_checkpointing": train.gradient_checkpointing, "frozen_dtype": frozen_dtype}
+    width, height = (int(side) for side in image_size.split("x"))
+    return trace_image_encoder(config, build, params_dtype, autocast, load_processor(folder), width, height, per_sample, samples)
+
+
 def buffers_of(states, tensors, quantize: Optional[str], itemsize: int, experts: Optional[dict]) -> list:
     """What a rank holds beside the states and activations: the strategy's buffers, a 4-bit layer dequantized, the dispatch."""
     buffers = list(states.buffers)
@@ -358,11 +375,15 @@ def _count(n: int) -> str:
 
 def vision_line(plan: dict) -> str:
     counted = "vision: the image encoder's and projector's parameters are counted (the encoder frozen); "
-    untraced = "(the encoder's own transient activations are not traced yet)"
     if not plan.get("image_size"):
-        return counted + f"the trace runs the language model on text: give --image_size, or count each image's tokens in --seq_len {untraced}"
+        return counted + ("the trace runs the language model on text: give --image_size to trace the images through the encoder "
+                          "and count their tokens")
+    encoder = plan.get("image_encoder")
+    traced = ("the encoder runs alone only inside this model's forward, so its activations are not traced" if encoder is None else
+              f"the micro-batch's images through the encoder peak at {encoder['peak'] / GiB:.2f} GiB and leave "
+              f"{encoder['kept'] / GiB:.2f} GiB live through the step (in the activations row)")
     return (counted + f"each {plan['image_size']} image is {plan['tokens_per_image']:,} tokens by the model's processor, and a sample holds "
-            f"{plan['images']} beside its {plan['seq_len']:,} text tokens {untraced}")
+            f"{plan['images']} beside its {plan['seq_len']:,} text tokens; {traced}")
 
 
 def render(plan: dict) -> str:

@@ -14,12 +14,12 @@ import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import transformers.masking_utils as masking
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from litft.run.build import build_model
@@ -27,6 +27,7 @@ from litft.config import TrainArgs
 from litft.model.causal_lm import CausalLM
 from litft.model.offload import CountedOffload
 from litft.model.recurrent import text_config
+from litft.model.vision import encoder_inputs, image_features_owner
 from litft.objectives import build_objective
 from litft.objectives.args import ObjectiveArgs
 
@@ -219,12 +220,52 @@ def _trace(model, params_dtype, autocast, micro_batch_size: int, seq_len: int, o
         with _masks_as_in_real_steps(), _grouped_experts_traceable(), ledger.mode(), cast:
             loss = lm.training_step(batch)
             ledger.mark("forward")
-            loss.backward()
+            if loss.requires_grad:  # a lone block that skips text-only rows (Mllama's cross-attention) leaves nothing to train
+                loss.backward()
             del loss
     # Gradients are counted on their own row; the storages that became .grad leave the replay.
     grads = [p.grad.untyped_storage()._cdata for p in lm.parameters() if p.grad is not None]
     peak, at = ledger.replay({ledger.live[key][0] for key in grads if key in ledger.live})
     return Trace(peak=peak, saved=at["forward"], offloaded=lm.offloaded_bytes)
+
+
+class _RealWithoutFakes(TorchDispatchMode):
+    """Runs an op that touches no fake tensor for real: the processor's image tensors (pixels, patch grids, masks) are real,
+    so the steps an encoder takes from their values (patches per image from the grid, padding images found from the pixels)
+    read real values, and only what the faked weights touch is traced."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs))):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def trace_image_encoder(config, build: dict, params_dtype, autocast, processor, width: int, height: int, per_sample: int,
+                        samples: int) -> Optional[Trace]:
+    """A micro-batch's images through the image encoder (and the projector where ``get_image_features`` runs it) on fake
+    weights: the live bytes' peak, and what its forward leaves live for the language model's forward and the backward (the
+    image features, what a trained projector saves). None where the encoder runs only inside the model's forward (Mllama)."""
+    model = build_model(_with_layers(config, 1), **build)
+    owner = image_features_owner(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    if owner is None:
+        return None
+    inputs = encoder_inputs(owner, processor, width, height, per_sample, samples)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _fake_model(model, fake_mode, params_dtype)
+    encoder_dtype = next(p.dtype for p in owner.parameters() if p.is_floating_point())
+    inputs = {k: v.to(encoder_dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+    gc.collect()
+    ledger = LiveStorages(list(model.parameters()) + list(model.buffers()) + list(inputs.values()))
+    cast = torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False)
+    with warnings.catch_warnings(), fake_mode, _RealWithoutFakes(), ledger.mode(), cast:  # the ledger above: real ops count too
+        warnings.simplefilter("ignore")
+        features = owner.get_image_features(**inputs)
+        ledger.mark("forward")
+        del features
+    peak, at = ledger.replay(set())
+    return Trace(peak=peak, saved=at["forward"])
 
 
 @dataclass

@@ -317,14 +317,8 @@ class EncoderStandIn:
     for the same reason under ZeRO-3). ``pending`` is set by the caller for one forward."""
 
     def __init__(self, processor, hf_model):
-        self.owner = next(m for m in (getattr(hf_model, "model", None), hf_model) if hasattr(m, "get_image_features"))
-        from PIL import Image
-
-        takes = set(inspect.signature(self.owner.get_image_features).parameters)
-        picture = Image.new("RGB", (32, 32), (128, 128, 128))
-        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False, add_generation_prompt=False)
-        made = processor_call(processor, [text], [[picture]])
-        self.inputs = {key: value for key, value in made.items() if key in takes and isinstance(value, torch.Tensor)}
+        self.owner = image_features_owner(hf_model)
+        self.inputs = encoder_inputs(self.owner, processor, 32, 32, 1, 1)
         self.pending = False
         # Llama 4's forward runs its projector on what get_image_features gives (a trained projector must run here too). Read
         # before FSDP renames the class.
@@ -361,6 +355,25 @@ class EncoderStandIn:
                 self.run(next(base.parameters()).device)
         else:
             self.pending = True
+
+
+def image_features_owner(hf_model):
+    """The module whose ``get_image_features`` runs the image encoder (and the projector, where it does) on a batch's image
+    tensors; None where the model has none (Mllama's encoder runs inside its forward)."""
+    return next((m for m in (getattr(hf_model, "model", None), hf_model) if hasattr(m, "get_image_features")), None)
+
+
+def encoder_inputs(owner, processor, width: int, height: int, per_sample: int, samples: int) -> Dict[str, torch.Tensor]:
+    """The image tensors the processor makes for ``samples`` user turns of ``per_sample`` grey images of width x height each,
+    as ``owner.get_image_features`` takes them."""
+    from PIL import Image
+
+    takes = set(inspect.signature(owner.get_image_features).parameters)
+    picture = Image.new("RGB", (width, height), (128, 128, 128))
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * per_sample}], tokenize=False,
+                                         add_generation_prompt=False)
+    made = processor_call(processor, [text] * samples, [[picture] * per_sample] * samples)
+    return {key: value for key, value in made.items() if key in takes and isinstance(value, torch.Tensor)}
 
 
 def float_tensors(value):

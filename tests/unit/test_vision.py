@@ -637,3 +637,43 @@ def test_the_estimate_counts_each_images_tokens_by_the_models_processor(vision_f
     for model, size, says in ((str(ensure_tiny_model()), "32", "is for vision-language models"), (folder, "big", "give WIDTHxHEIGHT")):
         with pytest.raises(LitftError, match=says):
             memory_plan(model=model, accelerator="cpu", image_size=size)
+
+
+@pytest.mark.parametrize("name", ["idefics3", "qwen3.5"])
+def test_the_estimates_image_encoder_trace_allocates_what_a_real_forward_allocates(name, vision_folders):
+    """The images through the encoder on fake weights (the processor's tensors real, so that steps taken from their values
+    run): the same peak of live bytes and the same bytes left for the step as the encoder's real forward on real weights,
+    followed by the same ledger (Idefics3: tiles found empty from the pixels; Qwen3.5: patches per image from the grid).
+    The estimate adds what is left to the language model's peak; Mllama, whose encoder runs only inside its forward, is
+    estimated without it."""
+    from transformers import AutoModelForImageTextToText
+
+    from litft.data.images import load_processor
+    from litft.estimate import memory_plan
+    from litft.estimate.trace import LiveStorages, _with_layers, trace_image_encoder
+    from litft.model.loading import load_config
+    from litft.model.vision import encoder_inputs, freeze_encoder, image_features_owner, reading_images
+
+    folder = str(vision_folders[name])
+    config, processor = reading_images(load_config(folder)), load_processor(folder)
+    build = {"precision": "32-true", "lora": None, "gradient_checkpointing": False}
+    traced = trace_image_encoder(config, build, lambda p: torch.float32, None, processor, 48, 40, 2, 2)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(_with_layers(config, 1))
+    freeze_encoder(model)  # as full fine-tuning: the projector trains and keeps its input
+    owner = image_features_owner(model)
+    inputs = encoder_inputs(owner, processor, 48, 40, 2, 2)
+    ledger = LiveStorages(list(model.parameters()) + list(model.buffers()) + list(inputs.values()))
+    with ledger.mode():
+        features = owner.get_image_features(**inputs)
+        ledger.mark("forward")
+        del features
+    peak, at = ledger.replay(set())
+    assert (traced.peak, traced.saved) == (peak, at["forward"]) and traced.saved > 0
+    plans = {size: memory_plan(model=folder, accelerator="cpu", job="finetune_full", seq_len=64, image_size=size, images=2)
+             for size in ("48x40", None)}
+    encoder = plans["48x40"]["image_encoder"]
+    assert plans[None]["image_encoder"] is None and encoder["peak"] > encoder["kept"] > 0
+    if name == "idefics3":
+        mllama = memory_plan(model=str(vision_folders["mllama"]), accelerator="cpu", seq_len=64, image_size="32")
+        assert mllama["image_encoder"] is None and mllama["activations"]["peak"] > 0
