@@ -146,9 +146,8 @@ def plan_memory(flags: dict) -> dict:
     source = flags["model"]
     if source.endswith(".json") and Path(source).is_file():
         source = str(Path(source).parent)
-    config = load_config(resolve_model(source))
-    if flags.get("image_size") is not None:
-        config = reading_images(config)  # a run on image records: a composite folder's image-text model (Qwen3.5)
+    # A run on image records builds a composite folder's image-text model (Qwen3.5), where a text run builds its text model.
+    config = reading_images(load_config(resolve_model(source))) if flags.get("image_size") else load_config(resolve_model(source))
     check_architecture(config)
     refuse_combinations(flags, precision, layout, strategy, objective, config)
     if flags["attention"] is not None:
@@ -169,12 +168,9 @@ def plan_memory(flags: dict) -> dict:
     # Offloading saves nothing where the device is the host: the CPU's estimate traces the run without it.
     traced = trace_both(config, strategy, layout, precision, lora, replace(train, activation_offload=train.activation_offload and not on_cpu),
                         tokens_per_rank, frozen_dtype, objective, flags.get("one_mode", False))
-    encoder = None
-    if image_size is not None:  # the images through the encoder first; what that leaves stays live through the step
-        encoder = trace_encoder(config, strategy, layout, precision, lora, train, frozen_dtype, resolve_model(source), image_size,
-                                flags.get("images", 1), train.micro_batch_size * built.rows_per_sample)
-    if encoder is not None:
-        traced = {k: replace(a, peak=max(encoder.peak, a.peak + encoder.saved), saved=a.saved + encoder.saved) for k, a in traced.items()}
+    encoder = trace_encoder(config, strategy, layout, precision, lora, train, frozen_dtype, resolve_model(source), flags.get("images", 1),
+                            built.rows_per_sample, image_size)
+    traced = {k: with_encoder(a, encoder) for k, a in traced.items()}
     itemsize = element_size(compute_dtype(precision))
     experts = experts_facts(config, tensors, layout.expert_parallel, train.micro_batch_size * tokens_per_rank * built.rows_per_sample,
                             itemsize, flags["seq_len"])
@@ -190,7 +186,7 @@ def plan_memory(flags: dict) -> dict:
         "gradient_checkpointing": train.gradient_checkpointing, "attention": attention,
         "activation_offload": train.activation_offload, "tiled_mlp": train.tiled_mlp, "vision": sees_images(config),
         "image_size": image_size, "images": flags.get("images", 1), "tokens_per_image": image_tokens,
-        "image_encoder": None if encoder is None else {"peak": encoder.peak, "kept": encoder.saved},
+        "image_encoder": {"peak": encoder.peak, "kept": encoder.saved} if encoder else None,
         "parameters": {"total": sum(t.numel for t in tensors), "trained": sum(t.numel for t in tensors if t.trainable),
                        "quantized": sum(t.numel for t in tensors if t.quantized)},
         "quant_state_bytes": sum(t.quant_state for t in tensors),
@@ -309,14 +305,25 @@ def trace_both(config, strategy, layout, precision: str, lora, train, tokens_per
     return traced
 
 
-def trace_encoder(config, strategy, layout, precision: str, lora, train, frozen_dtype, folder: str, image_size: str, per_sample: int,
-                  samples: int):
-    """The image encoder's activations for one micro-batch's images of ``image_size`` (WIDTHxHEIGHT), or None where litft
-    cannot run the encoder alone (litft.estimate.trace.trace_image_encoder)."""
+def trace_encoder(config, strategy, layout, precision: str, lora, train, frozen_dtype, folder: str, per_sample: int, rows_per_sample: int,
+                  image_size: Optional[str]):
+    """The image encoder's activations for one micro-batch's images of ``image_size`` (WIDTHxHEIGHT), or None without
+    images or where litft cannot run the encoder alone (litft.estimate.trace.trace_image_encoder)."""
+    if image_size is None:
+        return None
     params_dtype, autocast = strategy.compute_view(layout, precision)
     build = {"precision": precision, "lora": lora, "gradient_checkpointing": train.gradient_checkpointing, "frozen_dtype": frozen_dtype}
     width, height = (int(side) for side in image_size.split("x"))
-    return trace_image_encoder(config, build, params_dtype, autocast, load_processor(folder), width, height, per_sample, samples)
+    return trace_image_encoder(config, build, params_dtype, autocast, load_processor(folder), width, height, per_sample,
+                               train.micro_batch_size * rows_per_sample)
+
+
+def with_encoder(activations, encoder):
+    """The step's activations with the images' run through the encoder before the language model: what that leaves stays
+    live through the step."""
+    if encoder is None:
+        return activations
+    return replace(activations, peak=max(encoder.peak, activations.peak + encoder.saved), saved=activations.saved + encoder.saved)
 
 
 def buffers_of(states, tensors, quantize: Optional[str], itemsize: int, experts: Optional[dict]) -> list:
