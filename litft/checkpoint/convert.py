@@ -109,7 +109,7 @@ def free_bytes(folder: Path) -> int:
 def trained_config(meta: CheckpointMeta):
     """The config of the model a checkpoint's run built: a composite folder's image-text model where the run read images."""
     config = load_config(resolve_model(meta.model))
-    return reading_images(config) if meta.sees_images else config
+    return reading_images(config) if meta.image_text_model else config
 
 
 def export_bytes(trained: TrainedTensors, meta: CheckpointMeta, adapter_only: bool, dtype: Optional[str]) -> int:

@@ -98,7 +98,7 @@ class CheckpointMeta:
     num_train_samples: int
     seed: int
     world_size: int = 1
-    sees_images: bool = False  # the image-text model of a folder that litft otherwise trains as its text model (Qwen3.5)
+    image_text_model: bool = False  # a composite folder (Qwen3.5) trained as its image-text model, not as its text model
     scheduler: dict = field(default_factory=dict)
     position: Dict[str, int] = field(default_factory=dict)  # the loop's state_dict: step, epoch, tokens, ...
     format_version: int = FORMAT_VERSION
@@ -135,8 +135,8 @@ class CheckpointMeta:
         where = f"checkpoint {path}"
         if self.job != current.job:
             raise LitftError(f"{where} was written by {self.job}, not {current.job}; resume it with litft {self.job}")
-        if self.sees_images != current.sees_images:
-            had = "image records (its image-text model)" if self.sees_images else "text records (its text model)"
+        if self.image_text_model != current.image_text_model:
+            had = "image records (its image-text model)" if self.image_text_model else "text records (its text model)"
             raise LitftError(f"{where} was trained on {had}; resume it with data of the same kind")
         if bool(self.quantize) != bool(current.quantize):
             raise LitftError(f"{where} was trained with --quantize {self.quantize}; resume with the same --quantize")

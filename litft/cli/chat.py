@@ -45,12 +45,16 @@ def _from_pretrained(source: str, dtype: torch.dtype, images: bool = False):
     return model
 
 
-def _with_adapter(adapter: Path, dtype: torch.dtype, images: bool = False):
-    """A peft adapter folder on the base model its config names."""
+def _with_adapter(adapter: Path, dtype: torch.dtype):
+    """A peft adapter folder on the base model its config names, built as the class it adapted: litft names a
+    vision-language model's targets in full (``model.language_model.layers.0.self_attn.q_proj``), a text model's by short
+    name, so a composite folder (Qwen3.5) gets its image-text model for the first and its text model for the second."""
     from peft import PeftModel  # here, not at the top: litft.model.lora says why
 
-    base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
-    return PeftModel.from_pretrained(_from_pretrained(resolve_model(base), dtype, images), str(adapter)).eval()
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    targets = config.get("target_modules") or []
+    full_names = any("." in target for target in ([targets] if isinstance(targets, str) else targets))
+    return PeftModel.from_pretrained(_from_pretrained(resolve_model(config["base_model_name_or_path"]), dtype, full_names), str(adapter)).eval()
 
 
 def load_for_chat(name: str, dtype: torch.dtype, images: bool = False):
@@ -65,7 +69,7 @@ def load_for_chat(name: str, dtype: torch.dtype, images: bool = False):
         elif (path / META).is_file() or (path / CHECKPOINTS).is_dir():
             return _from_checkpoint(resolve_resume(str(path), path), dtype)
     if (path / "adapter_config.json").is_file():
-        return _with_adapter(path, dtype, images), load_tokenizer(str(path)), f"adapter {path} on its base"
+        return _with_adapter(path, dtype), load_tokenizer(str(path)), f"adapter {path} on its base"
     source = resolve_model(str(path) if path.exists() else name)
     return _from_pretrained(source, dtype, images), load_tokenizer(source), source
 

@@ -245,13 +245,14 @@ class HF(InstructionData):
         val_name = self.val_split or next((name for name in VAL_SPLITS if name in splits and name != self.split), None)
         return splits[self.split], splits.get(val_name) if val_name else None
 
-    def names_images(self) -> bool:
-        """An ``images`` column in the training split (a stream's first record tells, where it declares no features)."""
-        train, _ = self.splits(self.streaming)
+    def names_images(self, column: str = IMAGES) -> bool:
+        """An ``images`` column (or ``column``) in the training split, read as a stream (nothing downloaded or converted
+        whole at launch): its declared features, or its first record where it declares none."""
+        train, _ = self.splits(streaming=True)
         names = getattr(train, "column_names", None)
         if names is None:
-            names = list(next(iter(train), {}))
-        return IMAGES in names
+            names = list(loaded_by_datasets(lambda: next(iter(train), {}), f"dataset {self.path!r}"))
+        return column in names
 
     def stream_splits(self) -> Tuple[object, Optional[object]]:
         """The splits as streams, their images (where the dataset declares Image values) left as the files' bytes."""

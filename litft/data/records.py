@@ -20,12 +20,12 @@ class RecordSource:
         return files + images_named_in([p for p in files if p.suffix in (".json", ".jsonl")])
 
     def names_images(self) -> bool:
-        """Records of a JSON/JSONL file, or a dataset's ``images`` column."""
+        """Records of a JSON/JSONL file, or a dataset's ``images`` column (by its --data.columns name)."""
         def names(where: str) -> bool:
             local = Path(where).expanduser()
             if local.suffix in (".json", ".jsonl") and local.is_file():
                 return files_name_images([local])
-            return HF(path=where, name=self.name, split=self.split).names_images()
+            return HF(path=where, name=self.name, split=self.split).names_images((self.columns or {}).get("images", "images"))
 
         return any(names(where) for where in (self.path, self.val_path) if where is not None)
 

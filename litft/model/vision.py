@@ -62,20 +62,36 @@ def trained_as_text_model(config) -> Optional[str]:
     return None if classes is None or sees_images(config) else classes[1]
 
 
+# Composite folders whose causal-LM class is their text model and whose image-text model litft builds for image records,
+# checked against transformers (tests/unit/test_vision.py); others of that kind (dots3_note...) train as their text model.
+IMAGE_TEXT_CHECKED = ("qwen3_5", "qwen3_5_moe")
+
+
+def _text_class_composite(config) -> bool:
+    classes = _composite(config)
+    return classes is not None and config.model_type not in SEEN_THROUGH_THEIR_OWN_CLASS and classes[1] != classes[0]
+
+
+def reads_images_instead_of_text(config) -> bool:
+    """Whether ``config`` is a composite folder's image-text model where litft would otherwise train its text model: what a
+    checkpoint records, so that a resume, an export and a reload build the same class."""
+    return _text_class_composite(config) and sees_images(config)
+
+
 def as_text_model(config):
     """``config`` as litft reads a folder: a composite one whose causal-LM class is its text model names that class (the
     hub's Qwen3.5 folders name the image-text one), so that only a run that reads images builds the image-text model."""
-    classes = _composite(config)
-    if classes is not None and config.model_type not in SEEN_THROUGH_THEIR_OWN_CLASS and classes[1] != classes[0]:
-        config.architectures = [classes[1]]
+    if _text_class_composite(config):
+        config.architectures = [_composite(config)[1]]
     return config
 
 
 def reading_images(config):
     """``config`` for a run whose records carry images: a composite folder's image-text model (Qwen3.5's
-    Qwen3_5ForConditionalGeneration), where litft would otherwise train its text model; any other config as it is."""
+    Qwen3_5ForConditionalGeneration), where litft would otherwise train its text model (those of ``IMAGE_TEXT_CHECKED``);
+    any other config as it is."""
     classes = _composite(config)
-    if classes is None or sees_images(config):
+    if classes is None or sees_images(config) or config.model_type not in IMAGE_TEXT_CHECKED:
         return config
     config = copy.deepcopy(config)
     config.architectures = [classes[0]]
@@ -431,6 +447,10 @@ def check_images_fit(config, has_images: bool, data=None) -> None:
                              "(its cross-attention reads the batch's padded image slots); give every record the same number of images, "
                              "at least one (Llama 3.2 Vision takes one), and train text records in a run of their own")
     if has_images and not sees_images(config):
+        if trained_as_text_model(config) and config.model_type not in IMAGE_TEXT_CHECKED:
+            raise LitftError(f"the data's records carry images, and litft trains {config.model_type}'s text model: its image-text model "
+                             f"({MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type]}) is not checked against transformers "
+                             "yet; drop the images or train another vision-language model")
         if trained_as_text_model(config):
             raise LitftError(f"the data's records carry images, and this run built {config.model_type}'s text model: litft builds its "
                              "image-text model where the data files name images before the run starts (JSON's records, a dataset's "

@@ -37,7 +37,7 @@ from litft.model.fp8 import describe as describe_fp8
 from litft.model.generation import Generation
 from litft.model.loading import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
 from litft.model.vision import (
-    IMAGE_IN_EVERY_RECORD, EncoderStandIn, ImageInputs, check_images_fit, describe_text_model, reading_images, sees_images,
+    IMAGE_IN_EVERY_RECORD, IMAGE_TEXT_CHECKED, EncoderStandIn, ImageInputs, check_images_fit, describe_text_model, reading_images, reads_images_instead_of_text, sees_images,
     trained_as_text_model,
 )
 from litft.model.vision import describe as describe_vision
@@ -103,7 +103,7 @@ class Trainer:
         precision = resolve_precision(spec.precision, accelerator)
         chosen = checked_strategy_class(layout, accelerator, precision)
         config = load_config(resolve_model(spec.model))  # the model's description, read once: every check and the build take it
-        if trained_as_text_model(config) and spec.data.names_images():
+        if trained_as_text_model(config) and config.model_type in IMAGE_TEXT_CHECKED and spec.data.names_images():
             config = reading_images(config)  # a composite folder (Qwen3.5) trains its image-text model on image records
         check_architecture(config)  # before any process starts
         plan = RunPlan.decide(facts_of(spec, accelerator, precision, chosen, config, spec.data_world))
@@ -290,7 +290,8 @@ class Trainer:
         lm = getattr(self, "lm", None)  # before the build, everything but the trained shapes
         return CheckpointMeta(
             job=spec.job, model=spec.model, quantize=spec.lora.quantize if spec.lora else None, **self.strategy.checkpoint_fields(),
-            model_fingerprint=CheckpointMeta.fingerprint(self.config), sees_images=sees_images(self.config), trained_shapes=None if lm is None else self.strategy.trained_shapes(lm),
+            model_fingerprint=CheckpointMeta.fingerprint(self.config),
+            image_text_model=reads_images_instead_of_text(self.config), trained_shapes=None if lm is None else self.strategy.trained_shapes(lm),
             global_batch_size=spec.train.global_batch_size, num_train_samples=num_train, seed=spec.seed,
         )
 

@@ -73,7 +73,8 @@ def test_loss_and_gradients_equal_transformers(model, vision_folders, shapes):
 ENCODER_AND_PROJECTOR = {"paddleocr-vl": (".visual.vision_model.", ".projector."), "qwen3.5": (".visual.blocks.", ".visual.merger.")}
 
 
-@pytest.mark.parametrize("job, name", [("finetune_lora", "gemma3"), ("finetune_full", "paddleocr-vl"), ("finetune_full", "qwen3.5")])
+@pytest.mark.parametrize("job, name", [("finetune_lora", "gemma3"), ("finetune_full", "paddleocr-vl"), ("finetune_full", "qwen3.5"),
+                                       ("finetune_lora", "qwen3.5")])
 def test_jobs_train_images_and_export_what_transformers_loads(job, name, vision_folders, shapes, tmp_path, capsys):
     """Step 0's val_loss is the model's own; full fine-tuning keeps the image encoder frozen and trains the projector; LoRA
     adapts the language model only. The export loads with AutoModelForImageTextToText and AutoProcessor (peft's PeftModel
@@ -92,7 +93,13 @@ def test_jobs_train_images_and_export_what_transformers_loads(job, name, vision_
                        train=TrainArgs(global_batch_size=4, micro_batch_size=2, max_steps=2, save_interval=None, learning_rate=1e-2),
                        eval=EvalArgs(interval=10**6, initial_validation=True), accelerator="cpu", logger_name="csv")
     first, last = [h["val_loss"] for h in result.history if "val_loss" in h]
-    if name == "qwen3.5":
+    if name == "qwen3.5" and job == "finetune_lora":  # the adapter loads on the class it adapted (litft chat, generate, evaluate)
+        from litft.cli.chat import load_for_chat
+        from litft.model.vision import sees_images
+
+        model, _, _ = load_for_chat(str(result.final_dir), torch.float32)
+        assert type(model.get_base_model()).__name__ == "Qwen3_5ForConditionalGeneration" and sees_images(model.get_base_model().config)
+    if name == "qwen3.5" and job == "finetune_full":
         assert "trains as its text model" not in capsys.readouterr().out
         exported_config = json.loads((result.final_dir / "config.json").read_text())
         assert exported_config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in exported_config
@@ -103,9 +110,9 @@ def test_jobs_train_images_and_export_what_transformers_loads(job, name, vision_
 
         newest = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
         meta = CheckpointMeta.read(newest)
-        assert meta.sees_images
+        assert meta.image_text_model
         with pytest.raises(LitftError, match="was trained on image records .*resume it with data of the same kind"):
-            meta.check_fits(newest, dataclasses.replace(meta, sees_images=False))
+            meta.check_fits(newest, dataclasses.replace(meta, image_text_model=False))
     expected, count, _ = reference_loss(source, records, folder)
     assert abs(first - expected.item() / count) <= 1e-5 * first
     AutoProcessor.from_pretrained(result.final_dir)  # the processor travels with the export
@@ -523,7 +530,7 @@ def test_which_configs_train_as_vision_language_models(vision_folders):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from litft.model.loading import load_config
-    from litft.model.vision import auto_model_class, sees_images
+    from litft.model.vision import auto_model_class, check_images_fit, sees_images
     from litft.run.plan import PADDED, Facts, RunPlan
 
     assert sees_images(load_config(str(vision_folders["gemma3"]))) and sees_images(load_config(str(vision_folders["llava"])))
@@ -542,8 +549,18 @@ def test_which_configs_train_as_vision_language_models(vision_folders):
     images = reading_images(hub)
     assert sees_images(images) and auto_model_class(images) is AutoModelForImageTextToText and not sees_images(hub)
     assert reading_images(load_config(str(vision_folders["gemma3"]))).architectures == ["Gemma3ForConditionalGeneration"]
+    # What a checkpoint records: the composite's image-text model only, not an ordinary VLM (whose older checkpoints lack the
+    # field and must still resume).
+    from litft.model.vision import reads_images_instead_of_text
+
+    assert reads_images_instead_of_text(images) and not reads_images_instead_of_text(hub)
+    assert not reads_images_instead_of_text(load_config(str(vision_folders["gemma3"])))
+    # A composite of that kind whose image-text model is not checked: its text model, and image records refused in one line.
+    dots = transformers.Dots3NoteConfig()
+    assert reading_images(dots) is dots and not sees_images(dots)
+    with pytest.raises(LitftError, match="dots3_note's text model: its image-text model .* is not checked against transformers yet"):
+        check_images_fit(dots, True)
     # Image records on a model trained as text: one line, which says whether the model itself could see them.
-    from litft.model.vision import check_images_fit
 
     for config, says in ((qwen, "this run built qwen3_5's text model"), (transformers.LlamaConfig(), "llama models read text only")):
         with pytest.raises(LitftError, match=says):
