@@ -25,7 +25,7 @@ from litft.model.generation import stop_tokens
 from litft.cli.flags import GENERATION, PROMPT, TRAINED_MODEL, command
 from litft.data.images import load_processor, open_image, processor_call
 from litft.model.loading import load_config, load_tokenizer, resolve_model
-from litft.model.vision import answer_as_transformers_expects, auto_model_class, reading_images, sees_images
+from litft.model.vision import answer_as_transformers_expects, from_pretrained_as, reading_images, sees_images
 
 ANSWER_STAND_IN = "x"  # the answer's turn is rendered with a stand-in, to find where the prompt ends
 LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines splits on
@@ -36,11 +36,10 @@ def _from_pretrained(source: str, dtype: torch.dtype, images: bool = False):
     """``images``: a composite folder (Qwen3.5) as its image-text model, where litft would read it as its text model."""
     config = reading_images(load_config(source)) if images else load_config(source)
     try:
-        model = auto_model_class(config).from_pretrained(source, dtype=dtype).eval()
+        model = from_pretrained_as(config, source, dtype=dtype).eval()
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise LitftError(f"could not load '{source}' ({first}); pass a model folder, a litft run or checkpoint, or a hub id") from None
-    model.config.architectures = [type(model).__name__]  # the class built, which litft.model.vision reads
     answer_as_transformers_expects(model)
     return model
 

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from litft.errors import LitftError
 from litft.model.recurrent import STATE_LAYER_TYPES, check_recurrent
-from litft.model.vision import as_text_model, auto_model_class
+from litft.model.vision import as_text_model, auto_model_class, from_pretrained_as
 from litft.model.tiny import TINY_NAMES, ensure_tiny_model
 from litft.model.weights import skeleton, transformer_blocks
 
@@ -134,10 +134,9 @@ def load_causal_lm(source: str, *, random_init: bool, dtype: torch.dtype, quanti
     if quantization_config is not None:
         kwargs.update(quantization_config=quantization_config, device_map={"": device or torch.device("cpu")})
     try:
-        model = auto_model_class(config).from_pretrained(source, **kwargs)
+        model = from_pretrained_as(config, source, **kwargs)
     except (OSError, ValueError) as err:
         raise _hub_error(source, err) from None
-    model.config.architectures = [type(model).__name__]  # the folder's may name the image-text class of a text model it holds
     if quantization_config is not None:
         keep_4bit_training_layout(model)
     return model

@@ -86,16 +86,29 @@ def as_text_model(config):
     return config
 
 
+def can_read_images(config) -> bool:
+    """Whether image records would change what litft builds for ``config``: a composite folder read as its text model whose
+    image-text model is checked (``IMAGE_TEXT_CHECKED``)."""
+    return trained_as_text_model(config) is not None and config.model_type in IMAGE_TEXT_CHECKED
+
+
 def reading_images(config):
     """``config`` for a run whose records carry images: a composite folder's image-text model (Qwen3.5's
-    Qwen3_5ForConditionalGeneration), where litft would otherwise train its text model (those of ``IMAGE_TEXT_CHECKED``);
-    any other config as it is."""
-    classes = _composite(config)
-    if classes is None or sees_images(config) or config.model_type not in IMAGE_TEXT_CHECKED:
+    Qwen3_5ForConditionalGeneration), where litft would otherwise train its text model (``can_read_images``); any other
+    config as it is."""
+    if not can_read_images(config):
         return config
     config = copy.deepcopy(config)
-    config.architectures = [classes[0]]
+    config.architectures = [_composite(config)[0]]
     return config
+
+
+def from_pretrained_as(config, source: str, **kwargs):
+    """``source``'s weights in the class litft builds for ``config`` (``auto_model_class``), the model's config naming that
+    class: a composite folder's own config names its image-text class, also over the text model built from it."""
+    model = auto_model_class(config).from_pretrained(source, **kwargs)
+    model.config.architectures = [type(model).__name__]
+    return model
 
 
 def describe_text_model(config) -> Optional[str]:
@@ -447,7 +460,7 @@ def check_images_fit(config, has_images: bool, data=None) -> None:
                              "(its cross-attention reads the batch's padded image slots); give every record the same number of images, "
                              "at least one (Llama 3.2 Vision takes one), and train text records in a run of their own")
     if has_images and not sees_images(config):
-        if trained_as_text_model(config) and config.model_type not in IMAGE_TEXT_CHECKED:
+        if trained_as_text_model(config) and not can_read_images(config):
             raise LitftError(f"the data's records carry images, and litft trains {config.model_type}'s text model: its image-text model "
                              f"({MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type]}) is not checked against transformers "
                              "yet; drop the images or train another vision-language model")

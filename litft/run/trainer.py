@@ -37,8 +37,8 @@ from litft.model.fp8 import describe as describe_fp8
 from litft.model.generation import Generation
 from litft.model.loading import check_architecture, keep_rotary_fp32, load_config, load_tokenizer, resolve_model
 from litft.model.vision import (
-    IMAGE_IN_EVERY_RECORD, IMAGE_TEXT_CHECKED, EncoderStandIn, ImageInputs, check_images_fit, describe_text_model, reading_images, reads_images_instead_of_text, sees_images,
-    trained_as_text_model,
+    IMAGE_IN_EVERY_RECORD, EncoderStandIn, ImageInputs, can_read_images, check_images_fit, describe_text_model, reading_images,
+    reads_images_instead_of_text, sees_images,
 )
 from litft.model.vision import describe as describe_vision
 from litft.objectives import build_objective
@@ -103,7 +103,7 @@ class Trainer:
         precision = resolve_precision(spec.precision, accelerator)
         chosen = checked_strategy_class(layout, accelerator, precision)
         config = load_config(resolve_model(spec.model))  # the model's description, read once: every check and the build take it
-        if trained_as_text_model(config) and config.model_type in IMAGE_TEXT_CHECKED and spec.data.names_images():
+        if can_read_images(config) and spec.data.names_images():
             config = reading_images(config)  # a composite folder (Qwen3.5) trains its image-text model on image records
         check_architecture(config)  # before any process starts
         plan = RunPlan.decide(facts_of(spec, accelerator, precision, chosen, config, spec.data_world))
